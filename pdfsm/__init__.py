@@ -1,0 +1,1 @@
+"""pdfsm: KV-cache transfer for prefill/decode disaggregated serving, correct by construction."""

@@ -1,0 +1,535 @@
+"""The consumer (decode-side) request: everything that affects its state machine lives here.
+
+Life of a request that reads its KV blocks from a remote producer::
+
+    NEW -> HANDSHAKING -> READING -> NOTIFIED -> RELEASED
+                    \\          \\
+                     +-> FAILED  +-> FAILING -> FAILED -> RELEASED
+    (abort)  ABORTING -> ABORTED -> RELEASED
+
+- It waits in HANDSHAKING for every remote engine it reads from, posts one
+  read per remote source rank (the multi-handle join), and only when every
+  handle has stopped does it leave the reading states: a failed request whose
+  sibling reads still run stays FAILING, so no block is reported or reused
+  while a read may still write into it (vLLM PRs 40364, 56104, 32255).
+- NOTIFIED, FAILED and ABORTED wait for the scheduler to collect the request;
+  the hand-off (a :class:`~pdfsm.events.Reported` event) moves it to RELEASED
+  and happens exactly once, with the invalid block ids in the same hand-off.
+  A handshake failure takes the same road, so the failure policy applies to
+  it too (vLLM PR 40364).
+- A notify-only request (no blocks to read: a full local prefix hit) sends
+  the producer its notifications and ends RELEASED without being handed off,
+  since the scheduler is not waiting for it (vLLM PR 57570).
+
+The first option of the two busiest cells is the common case in one guard;
+it implies none of the options after it hold, so it only saves their cost.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
+from pdfsm.engine import EngineState, RemoteEngine
+from pdfsm.errors import UnsupportedPP
+from pdfsm.events import (
+    AbortRequested,
+    DeadlinePassed,
+    EngineFailed,
+    EngineReady,
+    HandleDone,
+    HandleFailed,
+    Quarantined,
+    ReadRequested,
+    Reported,
+)
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
+from pdfsm.topology import ReadPlan, TopologyError
+from pdfsm.wire import Notification
+
+if TYPE_CHECKING:
+    from pdfsm.core import Core
+
+__all__ = ["TABLE", "ConsumerRequest", "ConsumerState"]
+
+
+class ConsumerState:
+    NEW: Final[State] = State("NEW")
+    HANDSHAKING: Final[State] = State("HANDSHAKING")
+    READING: Final[State] = State("READING")
+    NOTIFIED: Final[State] = State("NOTIFIED")
+    FAILING: Final[State] = State("FAILING")
+    FAILED: Final[State] = State("FAILED")
+    ABORTING: Final[State] = State("ABORTING")
+    ABORTED: Final[State] = State("ABORTED")
+    RELEASED: Final[State] = State("RELEASED", terminal=True)
+
+
+S = ConsumerState
+CONNECTED: Final[State] = EngineState.CONNECTED
+
+
+class ConsumerRequest:
+    """A decode-side request. Its parameters are the event that created it (``req``); the
+    rest is what changes, and only the owner thread, through the table, changes it."""
+
+    __slots__ = ("deadline", "done", "engines", "error", "outcome", "pending", "plan",
+                 "remote_fault", "req", "request_id", "state", "waiting")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.state: State = S.NEW
+        self.req: ReadRequested | None = None
+        self.plan: ReadPlan | None = None
+        self.engines: tuple[RemoteEngine, ...] = ()  # engines read from, while reads are in flight
+        self.waiting = 0  # bit p: still waiting for remote engine (engine_id, p)
+        self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
+        self.done = 0  # bit i: the read from plan.sources[i] completed
+        self.deadline = 0  # 0: no deadline armed
+        self.error = ""  # the first failure, in words
+        self.remote_fault = False
+        self.outcome = ""
+
+    def __repr__(self) -> str:
+        return f"ConsumerRequest({self.request_id!r}, {self.state})"
+
+    @property
+    def local_blocks(self) -> tuple[int, ...]:
+        return self.req.local_blocks if self.req is not None else ()
+
+    @property
+    def t_start(self) -> int:
+        return self.req.t_ns if self.req is not None else 0
+
+
+# --- guards: read only ------------------------------------------------------------------------
+
+
+def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    """The common case: valid, blocks to read, one PP rank, its engine already connected."""
+    blocks = ev.local_blocks
+    if not blocks or ev.remote_pp != 1 or len(blocks) != len(ev.remote_blocks):
+        return False
+    if ev.deadline is not None and ev.deadline.clock != core.config.clock:
+        return False
+    if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
+        return False
+    e = core.engines.get((ev.engine_id, 0))
+    return e is not None and e.state is CONNECTED
+
+
+def _foreign_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return ev.deadline is not None and ev.deadline.clock != core.config.clock
+
+
+def _bad_topology(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    try:
+        core.plan(ev.remote_tp, ev.remote_pp)
+    except TopologyError:
+        return True
+    return len(ev.local_blocks) != len(ev.remote_blocks)
+
+
+def _pp_unsupported(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return not core.config.supports_pp and ev.remote_pp > 1
+
+
+def _pp_unsupported_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return not ev.local_blocks and _pp_unsupported(m, ev, core)
+
+
+def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    plan = core.plan(ev.remote_tp, ev.remote_pp)
+    return not all(core.engine_connected((ev.engine_id, pp)) for pp in plan.pp_ranks)
+
+
+def _nothing_to_read(m: ConsumerRequest, ev: object, core: Core) -> bool:
+    req = ev if isinstance(ev, ReadRequested) else m.req
+    return req is None or not req.local_blocks
+
+
+def _not_waiting_for_it(m: ConsumerRequest, ev: EngineReady | EngineFailed, core: Core) -> bool:
+    return m.req is None or ev.engine_id != m.req.engine_id or not (m.waiting >> ev.pp_rank) & 1
+
+
+def _other_engines_pending(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    return m.waiting & ~(1 << ev.pp_rank) != 0
+
+
+def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
+    """The source's bit in ``pending``/``done``, or 0 for a rank this request does not read."""
+    i = m.plan.position.get((ev.pp_rank, ev.tp_rank)) if m.plan is not None else None
+    return 0 if i is None else 1 << i
+
+
+def _last_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
+    """The common case: the event completes the only read still in flight."""
+    bit = _bit(m, ev)
+    return bit != 0 and m.pending == bit
+
+
+def _not_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
+    return not m.pending & _bit(m, ev)
+
+
+def _siblings_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
+    return m.pending & ~_bit(m, ev) != 0
+
+
+# --- actions: write, never raise --------------------------------------------------------------
+
+
+def _accept(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    m.req = ev
+    try:
+        m.plan = core.plan(ev.remote_tp, ev.remote_pp)
+    except TopologyError:
+        m.plan = None
+
+
+def _arm_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    d = ev.deadline
+    m.deadline = d.t_ns if d is not None else ev.t_ns + core.config.read_timeout_ns
+    core.deadlines.arm(m.request_id, m.deadline)
+
+
+def _disarm_deadline(m: ConsumerRequest, core: Core) -> None:
+    if m.deadline:
+        core.deadlines.disarm(m.request_id, m.deadline)
+        m.deadline = 0
+
+
+def _stop_waiting(m: ConsumerRequest, core: Core) -> None:
+    """Leave every engine's waiting list and disarm the deadline: nothing of ours is in flight."""
+    if m.waiting:
+        assert m.req is not None
+        core.unwatch(m.request_id, m.req.engine_id, m.waiting)
+        m.waiting = 0
+    _disarm_deadline(m, core)
+
+
+def _post_reads(m: ConsumerRequest, core: Core) -> None:
+    req, plan = m.req, m.plan
+    assert req is not None and plan is not None
+    note = Notification(req.remote_request_id, plan.part, plan.of)
+    emit, rid, eid = core.emit, m.request_id, req.engine_id
+    for src in plan.sources:
+        emit(PostRead(rid, eid, src, req.local_blocks, req.remote_blocks, note))
+    m.pending = plan.all_read
+    engines = core.engines
+    if len(plan.pp_ranks) == 1:  # no generator: it costs more than the rest of this function
+        e = engines[(eid, plan.pp_ranks[0])]
+        e.readers += 1
+        m.engines = (e,)
+    else:
+        m.engines = tuple([engines[(eid, pp)] for pp in plan.pp_ranks])
+        for e in m.engines:
+            e.readers += 1
+
+
+def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _accept(m, ev, core)
+    _arm_deadline(m, ev, core)
+    _post_reads(m, core)
+
+
+def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _accept(m, ev, core)
+    _arm_deadline(m, ev, core)
+    assert m.plan is not None
+    for pp in m.plan.pp_ranks:
+        if not core.engine_connected((ev.engine_id, pp)):
+            m.waiting |= 1 << pp
+            core.watch(m.request_id, (ev.engine_id, pp), ev.host, ev.port, ev.t_ns)
+
+
+def _notify_unread(m: ConsumerRequest, core: Core) -> None:
+    """Tell every producer rank we will not read (again) that it may release: each completed
+    read carried its own notification; the rest, and MLA's skipped ranks, get one here."""
+    req, plan = m.req, m.plan
+    assert req is not None and plan is not None
+    if m.done == plan.all_read and not plan.notify_only:
+        return
+    note = Notification(req.remote_request_id, plan.part, plan.of)
+    for i, src in enumerate(plan.sources):
+        if not (m.done >> i) & 1:
+            core.emit(SendNotification(engine_id=req.engine_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank,
+                                       notification=note))
+    for pp, tp in plan.notify_only:
+        core.emit(SendNotification(engine_id=req.engine_id, pp_rank=pp, tp_rank=tp, notification=note))
+
+
+def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _accept(m, ev, core)
+    _notify_unread(m, core)
+    core.finished(m, "notified", ev.t_ns)
+
+
+def _engine_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    m.waiting &= ~(1 << ev.pp_rank)
+
+
+def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    m.waiting = 0
+    _post_reads(m, core)
+
+
+def _notify_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    m.waiting = 0
+    _disarm_deadline(m, core)
+    _notify_unread(m, core)
+    core.finished(m, "notified", ev.t_ns)
+
+
+def _fail(m: ConsumerRequest, error: str, remote_fault: bool) -> None:
+    if not m.error:
+        m.error, m.remote_fault = error, remote_fault
+
+
+def _fail_unread(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _accept(m, ev, core)
+    if _pp_unsupported(m, ev, core):
+        _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
+    else:
+        _fail(m, "the two engines' layouts cannot exchange KV blocks", False)
+    core.ready(m)
+
+
+def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _accept(m, ev, core)
+    _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
+    core.finished(m, "dropped", ev.t_ns)
+
+
+def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
+    _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed: {ev.error}", ev.remote_fault)
+    _stop_waiting(m, core)
+    core.ready(m)
+
+
+def _engine_failed_notify_only(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
+    _fail(m, f"producer not notified, its lease will release the blocks: {ev.error}", ev.remote_fault)
+    _stop_waiting(m, core)
+    core.finished(m, "dropped", ev.t_ns)
+
+
+def _timed_out_waiting(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
+    _fail(m, "deadline passed while waiting for the remote engine", True)
+    _stop_waiting(m, core)
+    core.ready(m)
+
+
+def _timed_out_notify_only(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
+    _fail(m, "deadline passed while waiting for the remote engine; producer not notified", True)
+    _stop_waiting(m, core)
+    core.finished(m, "dropped", ev.t_ns)
+
+
+def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
+    _stop_waiting(m, core)
+    core.ready(m)
+
+
+def _quarantine_waiting(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
+    _fail(m, f"quarantined: {ev.reason}", False)
+    _stop_waiting(m, core)
+    core.ready(m)
+
+
+def _quarantine_notify_only(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
+    _fail(m, f"quarantined: {ev.reason}", False)
+    _stop_waiting(m, core)
+    core.finished(m, "dropped", ev.t_ns)
+
+
+def _stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> None:
+    bit = _bit(m, ev)
+    m.pending &= ~bit
+    if isinstance(ev, HandleDone):
+        m.done |= bit
+    else:
+        _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) {ev.why.value}"
+                 + (f": {ev.detail}" if ev.detail else ""), ev.why.remote_fault)
+
+
+def _sibling_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
+    _stopped(m, ev)
+
+
+def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
+    _stopped(m, ev)
+    for e in m.engines:
+        e.readers -= 1
+    m.engines = ()
+    _disarm_deadline(m, core)
+    _notify_unread(m, core)
+    core.ready(m)
+
+
+def _cancel_reads(m: ConsumerRequest, core: Core) -> None:
+    assert m.plan is not None
+    for i, src in enumerate(m.plan.sources):
+        if (m.pending >> i) & 1:
+            core.emit(CancelRead(request_id=m.request_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank))
+
+
+def _abort_reads(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
+    _cancel_reads(m, core)
+
+
+def _expire_reads(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
+    _fail(m, "deadline passed before every read completed", True)
+    m.deadline = 0
+    _cancel_reads(m, core)
+
+
+def _quarantine_reads(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
+    _fail(m, f"quarantined: {ev.reason}", False)
+    _disarm_deadline(m, core)
+    _cancel_reads(m, core)
+
+
+def _quarantine_done(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
+    _fail(m, f"quarantined: {ev.reason}", False)
+
+
+def _hand_off(m: ConsumerRequest, ev: Reported, core: Core) -> None:
+    st = m.state
+    if st is S.NOTIFIED:
+        core.emit(HandOff(request_id=m.request_id, outcome="received"))
+        core.finished(m, "received", ev.t_ns)
+    elif st is S.FAILED:
+        core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks,
+                          policy=core.config.policy, reason=m.error))
+        core.finished(m, "failed", ev.t_ns)
+    else:
+        core.emit(HandOff(request_id=m.request_id, outcome="aborted", reason=m.error))
+        core.finished(m, "aborted", ev.t_ns)
+
+
+# --- the table --------------------------------------------------------------------------------
+
+LIVE = (S.HANDSHAKING, S.READING, S.NOTIFIED, S.FAILING, S.FAILED, S.ABORTING, S.ABORTED)
+AFTER_READS = (S.NOTIFIED, S.FAILED, S.ABORTED)  # every handle stopped, waiting for hand-off
+STOPPING = (S.FAILING, S.ABORTING)  # failed or aborted, handles still in flight
+local, remote = Fault.LOCAL, Fault.REMOTE
+
+_not_in_flight_illegal = Illegal(local, "completion for a read that is not in flight", when=_not_in_flight)
+
+TABLE: Final[Table] = Table(
+    "consumer",
+    states=(S.NEW, *LIVE, S.RELEASED),
+    initial=S.NEW,
+    events=(ReadRequested, EngineReady, EngineFailed, HandleDone, HandleFailed, AbortRequested,
+            DeadlinePassed, Reported, Quarantined),
+    cells=(
+        # NEW: the request does not exist yet (or its record was forgotten).
+        on(
+            S.NEW,
+            ReadRequested,
+            Go(S.READING, _read_now, when=_can_read_now),
+            Illegal(local, "deadline is on another clock: rebase it first", when=_foreign_deadline),
+            Go(S.RELEASED, _drop_notify_only, when=_pp_unsupported_notify_only, fault=local,
+               reason="transport cannot serve pp_rank > 0; producer left to its lease"),
+            Go(S.FAILED, _fail_unread, when=_pp_unsupported, fault=local,
+               reason="transport cannot serve pp_rank > 0"),
+            Go(S.FAILED, _fail_unread, when=_bad_topology, fault=local,
+               reason="the engines' layouts cannot exchange KV blocks"),
+            Go(S.HANDSHAKING, _wait_for_engines, when=_engines_pending),
+            Go(S.RELEASED, _notify_only_now, when=_nothing_to_read),
+            Go(S.READING, _read_now),
+        ),
+        on(S.NEW, (EngineReady, EngineFailed, HandleDone, HandleFailed, DeadlinePassed, Reported, Quarantined),
+           Illegal(local, "no such request")),
+        on(S.NEW, AbortRequested, Ignore("no such request: nothing to abort")),
+        # A request id is never requested twice.
+        on((*LIVE, S.RELEASED), ReadRequested, Illegal(local, "request id already in use")),
+        # HANDSHAKING: waiting for remote engines.
+        on(
+            S.HANDSHAKING,
+            EngineReady,
+            Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
+            Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
+            Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
+            Go(S.READING, _all_engines_ready),
+        ),
+        on(
+            S.HANDSHAKING,
+            EngineFailed,
+            Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
+            Go(S.RELEASED, _engine_failed_notify_only, when=_nothing_to_read),
+            Go(S.FAILED, _engine_failed),
+        ),
+        on(S.HANDSHAKING, (HandleDone, HandleFailed), Illegal(local, "no read has been posted")),
+        on(S.HANDSHAKING, AbortRequested, Go(S.ABORTED, _aborted_waiting)),
+        on(
+            S.HANDSHAKING,
+            DeadlinePassed,
+            Go(S.RELEASED, _timed_out_notify_only, when=_nothing_to_read),
+            Go(S.FAILED, _timed_out_waiting),
+        ),
+        on(
+            S.HANDSHAKING,
+            Quarantined,
+            Go(S.RELEASED, _quarantine_notify_only, when=_nothing_to_read),
+            Go(S.FAILED, _quarantine_waiting),
+        ),
+        # Engine news reaches only requests that wait for it.
+        on((S.READING, *AFTER_READS, *STOPPING, S.RELEASED), (EngineReady, EngineFailed),
+           Illegal(local, "engine news for a request that is not waiting for an engine")),
+        # READING: the multi-handle join.
+        on(
+            S.READING,
+            HandleDone,
+            Go(S.NOTIFIED, _last_stopped, when=_last_in_flight),
+            _not_in_flight_illegal,
+            Go(S.READING, _sibling_stopped),
+        ),
+        on(
+            S.READING,
+            HandleFailed,
+            _not_in_flight_illegal,
+            Go(S.FAILING, _sibling_stopped, when=_siblings_in_flight),
+            Go(S.FAILED, _last_stopped),
+        ),
+        on(S.READING, AbortRequested, Go(S.ABORTING, _abort_reads)),
+        on(S.READING, DeadlinePassed, Go(S.FAILING, _expire_reads)),
+        on(S.READING, Quarantined, Go(S.FAILING, _quarantine_reads)),
+        # FAILING / ABORTING: wait for every sibling read to stop before anything is reported.
+        on(
+            S.FAILING,
+            (HandleDone, HandleFailed),
+            _not_in_flight_illegal,
+            Go(S.FAILING, _sibling_stopped, when=_siblings_in_flight),
+            Go(S.FAILED, _last_stopped),
+        ),
+        on(
+            S.ABORTING,
+            (HandleDone, HandleFailed),
+            _not_in_flight_illegal,
+            Go(S.ABORTING, _sibling_stopped, when=_siblings_in_flight),
+            Go(S.ABORTED, _last_stopped),
+        ),
+        on(S.FAILING, AbortRequested, Go(S.ABORTING)),
+        on(S.ABORTING, AbortRequested, Ignore("already aborting")),
+        on(STOPPING, DeadlinePassed, Ignore("already stopping: waiting for in-flight reads")),
+        on(STOPPING, Quarantined, Ignore("already stopping: waiting for in-flight reads")),
+        # Every read has stopped: waiting for the scheduler to collect the request.
+        on((*AFTER_READS, S.RELEASED), (HandleDone, HandleFailed),
+           Illegal(local, "completion for a read that is not in flight")),
+        on(S.NOTIFIED, AbortRequested, Ignore("reads complete: handed back at the next collect")),
+        on(S.FAILED, AbortRequested, Go(S.ABORTED)),  # still queued; goes back as aborted
+        on(S.ABORTED, AbortRequested, Ignore("already aborted")),
+        on(AFTER_READS, DeadlinePassed, Ignore("every read has stopped")),
+        on(S.NOTIFIED, Quarantined, Go(S.FAILED, _quarantine_done)),
+        on((S.FAILED, S.ABORTED), Quarantined, Ignore("already failed or aborted")),
+        on(AFTER_READS, Reported, Go(S.RELEASED, _hand_off)),
+        on((S.HANDSHAKING, S.READING, *STOPPING), Reported,
+           Illegal(local, "not finished: it cannot be handed back yet")),
+        # RELEASED: handed back; only late news arrives here.
+        on(S.RELEASED, AbortRequested, Ignore("already released")),
+        on(S.RELEASED, DeadlinePassed, Ignore("already released")),
+        on(S.RELEASED, Reported, Illegal(local, "already handed back: a request is reported once")),
+        on(S.RELEASED, Quarantined, Ignore("already released")),
+    ),
+)

@@ -1,0 +1,319 @@
+"""The remote engine, keyed by (engine_id, pp_rank): everything that affects its machine lives here.
+
+::
+
+    UNKNOWN -> HANDSHAKING -> CONNECTING -> CONNECTED -> EVICTED
+                    |              |            \\-> DISCONNECTED -> HANDSHAKING ...
+                    +--------------+-> FAILED -> HANDSHAKING (a later request retries)
+
+- One handshake per engine: requests that arrive while it runs join its
+  waiting list, and every one of them hears the outcome (vLLM PR 26171).
+- The reply is validated in a fixed order: compatibility hash, engine id
+  (the error names both ids: vLLM PR 39907, issue 27083), layout, and only
+  then PP support (vLLM PR 43720). Metadata is keyed by (pp_rank, tp_rank).
+- The handshake thread only reports; the transport adds the peer on the owner
+  thread (:class:`~pdfsm.commands.AddPeer`), so NIXL is never touched from two
+  threads at once (SGLang PR 28897). Replies carry the attempt number they
+  answer, so a stale reply from an earlier attempt is ignored.
+- A connected engine is evicted only when no transfer to it is in flight
+  (vLLM PR 54689); a disconnected one is handshaken again before reuse.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from pdfsm.commands import AddPeer, DropPeer, StartHandshake
+from pdfsm.errors import (
+    CompatibilityMismatch,
+    EngineIdMismatch,
+    HandshakeError,
+    LayoutMismatch,
+    UnsupportedPP,
+)
+from pdfsm.events import (
+    EngineFailed,
+    EngineQuarantined,
+    EngineReady,
+    EngineWanted,
+    EvictRequested,
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeReply,
+    PeerAdded,
+    PeerDisconnected,
+    Source,
+)
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
+
+if TYPE_CHECKING:
+    from pdfsm.core import Core
+
+__all__ = ["TABLE", "EngineState", "RemoteEngine", "validate_reply"]
+
+
+class EngineState:
+    UNKNOWN: Final[State] = State("UNKNOWN")
+    HANDSHAKING: Final[State] = State("HANDSHAKING")
+    CONNECTING: Final[State] = State("CONNECTING")
+    CONNECTED: Final[State] = State("CONNECTED")
+    FAILED: Final[State] = State("FAILED")
+    DISCONNECTED: Final[State] = State("DISCONNECTED")
+    EVICTED: Final[State] = State("EVICTED", terminal=True)
+
+
+S = EngineState
+
+
+class RemoteEngine:
+    """What this worker knows of one remote engine at one PP rank."""
+
+    __slots__ = (
+        "attempt",
+        "engine_id",
+        "error",
+        "host",
+        "port",
+        "pp_rank",
+        "readers",
+        "reply",
+        "retry_at",
+        "state",
+        "waiters",
+    )
+
+    def __init__(self, key: tuple[str, int]) -> None:
+        self.engine_id, self.pp_rank = key
+        self.state: State = S.UNKNOWN
+        self.attempt = 0
+        self.host = ""
+        self.port = 0
+        self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
+        self.readers = 0  # requests with reads in flight to this engine
+        self.reply: HandshakeReply | None = None
+        self.error: HandshakeError | None = None
+        self.retry_at = 0
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.engine_id!r}, pp_rank={self.pp_rank}, {self.state})"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.engine_id, self.pp_rank)
+
+
+def validate_reply(m: RemoteEngine, reply: HandshakeReply, core: Core) -> HandshakeError | None:
+    """The first problem with a handshake reply, in the documented order, or None."""
+    cfg = core.config
+    if reply.compat_hash != cfg.compat_hash:
+        return CompatibilityMismatch(cfg.compat_hash, reply.compat_hash)
+    if reply.engine_id != m.engine_id:
+        return EngineIdMismatch(m.engine_id, reply.engine_id)
+    big, small = max(cfg.tp_size, reply.tp_size), min(cfg.tp_size, reply.tp_size)
+    if small < 1 or big % small:
+        return LayoutMismatch(f"TP sizes do not divide one another: local {cfg.tp_size}, remote {reply.tp_size}")
+    if reply.block_size != cfg.block_size:
+        return LayoutMismatch(f"block sizes differ: local {cfg.block_size}, remote {reply.block_size}")
+    if reply.mla != cfg.mla:
+        return LayoutMismatch(f"MLA differs: local {cfg.mla}, remote {reply.mla}")
+    if not 0 <= m.pp_rank < reply.pp_size:
+        return LayoutMismatch(f"remote has PP size {reply.pp_size}, no pp_rank {m.pp_rank}")
+    keys = sorted((r.pp_rank, r.tp_rank) for r in reply.ranks)
+    if keys != [(m.pp_rank, t) for t in range(reply.tp_size)]:
+        return LayoutMismatch(
+            f"metadata must be keyed by (pp_rank, tp_rank) for pp_rank {m.pp_rank} and every "
+            f"tp_rank below {reply.tp_size}; got {keys}"
+        )
+    if m.pp_rank > 0 and not cfg.supports_pp:
+        return UnsupportedPP(m.pp_rank)
+    return None
+
+
+# --- guards -----------------------------------------------------------------------------------
+
+
+def _pp_unsupported(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
+    return m.pp_rank > 0 and not core.config.supports_pp
+
+
+def _stale(m: RemoteEngine, ev: HandshakeDone | HandshakeFailed | PeerAdded, core: Core) -> bool:
+    return ev.attempt != m.attempt
+
+
+def _reply_refused(m: RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
+    return validate_reply(m, ev.reply, core) is not None
+
+
+def _retry_later(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
+    return ev.t_ns < m.retry_at
+
+
+def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> bool:
+    return m.readers > 0
+
+
+# --- actions ----------------------------------------------------------------------------------
+
+
+def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    m.attempt += 1
+    m.host, m.port = ev.host, ev.port
+    m.error = None
+    m.waiters[ev.request_id] = None
+    core.emit(StartHandshake(engine_id=m.engine_id, pp_rank=m.pp_rank, attempt=m.attempt, host=ev.host, port=ev.port))
+
+
+def _join(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    m.waiters[ev.request_id] = None
+
+
+def _tell_waiters(m: RemoteEngine, core: Core, t_ns: int) -> None:
+    waiters, m.waiters = m.waiters, {}
+    if m.error is None:
+        for rid in waiters:
+            core.derive(EngineReady(source=Source.CORE, t_ns=t_ns, request_id=rid,
+                                    engine_id=m.engine_id, pp_rank=m.pp_rank))
+    else:
+        error, remote = str(m.error), m.error.remote_fault
+        for rid in waiters:
+            core.derive(EngineFailed(source=Source.CORE, t_ns=t_ns, request_id=rid, engine_id=m.engine_id,
+                                     pp_rank=m.pp_rank, error=error, remote_fault=remote))
+
+
+def _fail(m: RemoteEngine, error: HandshakeError, t_ns: int, core: Core, *, drop: bool) -> None:
+    m.error = error
+    m.reply = None
+    m.retry_at = t_ns + core.config.handshake_retry_ns
+    if drop:
+        core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
+    _tell_waiters(m, core, t_ns)
+
+
+def _refuse_pp(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    m.waiters[ev.request_id] = None
+    _fail(m, UnsupportedPP(m.pp_rank), ev.t_ns, core, drop=False)
+
+
+def _refuse_reply(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
+    error = validate_reply(m, ev.reply, core)
+    assert error is not None
+    _fail(m, error, ev.t_ns, core, drop=False)
+
+
+def _explain(m: RemoteEngine, ev: object, core: Core) -> str:
+    return str(m.error)
+
+
+def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
+    m.reply = ev.reply
+    core.emit(AddPeer(engine_id=m.engine_id, pp_rank=m.pp_rank, attempt=m.attempt, reply=ev.reply))
+
+
+def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
+    _tell_waiters(m, core, ev.t_ns)
+
+
+def _handshake_failed(m: RemoteEngine, ev: HandshakeFailed, core: Core) -> None:
+    _fail(m, HandshakeError(ev.error), ev.t_ns, core, drop=m.state is S.CONNECTING)
+
+
+def _lost_while_connecting(m: RemoteEngine, ev: PeerDisconnected, core: Core) -> None:
+    _fail(m, HandshakeError(f"peer disconnected while connecting: {ev.detail}"), ev.t_ns, core, drop=True)
+
+
+def _quarantine(m: RemoteEngine, ev: EngineQuarantined, core: Core) -> None:
+    drop = m.state is S.CONNECTING or m.state is S.CONNECTED
+    error = HandshakeError(f"quarantined: {ev.reason}")
+    error.remote_fault = False
+    _fail(m, error, ev.t_ns, core, drop=drop)
+
+
+def _ready_now(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    core.derive(EngineReady(source=Source.CORE, t_ns=ev.t_ns, request_id=ev.request_id,
+                            engine_id=m.engine_id, pp_rank=m.pp_rank))
+
+
+def _fail_fast(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    m.waiters[ev.request_id] = None
+    _tell_waiters(m, core, ev.t_ns)
+
+
+def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) -> None:
+    m.reply = None
+    core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
+
+
+# --- the table --------------------------------------------------------------------------------
+
+local, remote = Fault.LOCAL, Fault.REMOTE
+_replies = (HandshakeDone, HandshakeFailed, PeerAdded)
+_stale_ignored = Ignore("reply to an earlier handshake attempt", when=_stale)
+
+TABLE: Final[Table] = Table(
+    "engine",
+    states=(S.UNKNOWN, S.HANDSHAKING, S.CONNECTING, S.CONNECTED, S.FAILED, S.DISCONNECTED, S.EVICTED),
+    initial=S.UNKNOWN,
+    events=(EngineWanted, HandshakeDone, HandshakeFailed, PeerAdded, PeerDisconnected, EvictRequested,
+            EngineQuarantined),
+    cells=(
+        on(
+            S.UNKNOWN,
+            EngineWanted,
+            Go(S.FAILED, _refuse_pp, when=_pp_unsupported, fault=local,
+               reason="transport cannot serve pp_rank > 0", explain=_explain),
+            Go(S.HANDSHAKING, _start),
+        ),
+        on(S.UNKNOWN, _replies, Ignore("no handshake in progress: a stale reply")),
+        on(S.UNKNOWN, PeerDisconnected, Ignore("not connected")),
+        on(S.UNKNOWN, EvictRequested, Ignore("nothing to evict")),
+        on(S.UNKNOWN, EngineQuarantined, Ignore("nothing to quarantine")),
+        # HANDSHAKING: one handshake, shared by every waiting request.
+        on(S.HANDSHAKING, EngineWanted, Go(S.HANDSHAKING, _join)),
+        on(
+            S.HANDSHAKING,
+            HandshakeDone,
+            _stale_ignored,
+            Go(S.FAILED, _refuse_reply, when=_reply_refused, fault=remote,
+               reason="handshake reply refused", explain=_explain),
+            Go(S.CONNECTING, _add_peer),
+        ),
+        on(S.HANDSHAKING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
+        on(S.HANDSHAKING, PeerAdded, _stale_ignored,
+           Illegal(local, "peer added before its handshake reply was validated")),
+        on(S.HANDSHAKING, PeerDisconnected, Ignore("not connected yet")),
+        on(S.HANDSHAKING, EvictRequested, Ignore("a handshake is in progress")),
+        on((S.HANDSHAKING, S.CONNECTING), EngineQuarantined, Go(S.FAILED, _quarantine)),
+        # CONNECTING: the transport is adding the peer on the owner thread.
+        on(S.CONNECTING, EngineWanted, Go(S.CONNECTING, _join)),
+        on(S.CONNECTING, HandshakeDone, Ignore("a reply was already accepted for this attempt")),
+        on(S.CONNECTING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
+        on(S.CONNECTING, PeerAdded, _stale_ignored, Go(S.CONNECTED, _connected)),
+        on(S.CONNECTING, PeerDisconnected, Go(S.FAILED, _lost_while_connecting)),
+        on(S.CONNECTING, EvictRequested, Ignore("a handshake is in progress")),
+        # CONNECTED.
+        on(S.CONNECTED, EngineWanted, Go(S.CONNECTED, _ready_now)),
+        on(S.CONNECTED, _replies, Ignore("already connected: a stale reply")),
+        on(S.CONNECTED, PeerDisconnected, Go(S.DISCONNECTED, _drop)),
+        on(
+            S.CONNECTED,
+            EvictRequested,
+            Ignore("a transfer is in flight: not evicted", when=_transfers_in_flight),
+            Go(S.EVICTED, _drop),
+        ),
+        on(S.CONNECTED, EngineQuarantined, Go(S.FAILED, _quarantine)),
+        # FAILED: the next request retries, after a pause.
+        on(S.FAILED, EngineWanted, Go(S.FAILED, _fail_fast, when=_retry_later), Go(S.HANDSHAKING, _start)),
+        on((S.FAILED, S.DISCONNECTED), _replies, Ignore("no handshake in progress: a stale reply")),
+        on(S.FAILED, PeerDisconnected, Ignore("not connected")),
+        on(S.DISCONNECTED, PeerDisconnected, Ignore("already disconnected")),
+        on((S.FAILED, S.DISCONNECTED), EvictRequested, Go(S.EVICTED)),
+        on(S.FAILED, EngineQuarantined, Ignore("already failed")),
+        on(S.DISCONNECTED, EngineQuarantined, Ignore("not connected")),
+        # DISCONNECTED: never reused; handshaken again.
+        on(S.DISCONNECTED, EngineWanted, Go(S.HANDSHAKING, _start)),
+        # EVICTED: forgotten; the core starts a fresh machine for the next request.
+        on(S.EVICTED, EngineWanted, Illegal(local, "an evicted engine is never reused")),
+        on(S.EVICTED, (*_replies, PeerDisconnected, EvictRequested, EngineQuarantined),
+           Ignore("evicted: forgotten")),
+    ),
+)

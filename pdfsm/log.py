@@ -1,0 +1,228 @@
+"""The event log: producers on any thread submit events; the owner records what it applied.
+
+Two halves, one object:
+
+- **Inbox.** ``submit`` may be called from any thread (NIXL's progress
+  threads, the handshake thread, timers, the scheduler). It appends to a
+  deque, which CPython makes atomic, so the hot path takes no lock. The inbox
+  is bounded; when it is full the policy is explicit: ``BLOCK`` makes the
+  producer wait for the owner, ``COUNT`` refuses the event, counts it by
+  source, and the owner records a :class:`~pdfsm.events.Dropped` event so the
+  loss is in the log, never silent.
+- **Records.** The owner thread records every event it applied, ignored or
+  rejected, with the state it produced, in one sequence with no gaps. The last
+  ``window`` records stay in memory; every record also goes to the sink (the
+  durable file log plugs in there) when the owner flushes after a batch. With
+  no sink, records older than the window are counted as ``evicted``.
+
+A record is kept as a plain tuple in :data:`Row` order (building one costs a
+quarter of a Struct's), and read back as a typed :class:`Record`; msgspec
+encodes both identically (an array), so the file log writes rows as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from typing import Any, Final, Protocol
+
+import msgspec
+
+from pdfsm.events import Event, EventType
+from pdfsm.fsm import Fault
+
+__all__ = ["EventLog", "MemorySink", "Outcome", "Overflow", "Record", "Row", "Sink"]
+
+
+class Outcome(enum.IntEnum):
+    APPLIED = 0
+    IGNORED = 1
+    REJECTED = 2
+
+
+class Overflow(enum.Enum):
+    """What ``submit`` does when the inbox is full."""
+
+    BLOCK = "block"
+    COUNT = "count"
+
+
+Row = tuple[int, Event, str, str, str, int, str, "str | None", "int | None"]
+"""A record as stored: (seq, event, machine, before, state, outcome, reason, fault, cause).
+
+Only atoms (ints, strings, None, GC-untracked events) so the garbage collector untracks the
+tuple and never walks the window again; ``outcome`` is an :class:`Outcome` value and
+``fault`` a :class:`~pdfsm.fsm.Fault` value."""
+
+
+class Record(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """One applied, ignored or rejected event and the state its machine was left in."""
+
+    seq: int
+    event: EventType
+    machine: str  # "consumer", "producer", "engine" or "core"
+    before: str
+    state: str
+    outcome: Outcome
+    reason: str = ""
+    fault: Fault | None = None
+    cause: int | None = None  # derived events: the seq of the root event that caused them
+
+    @property
+    def violation(self) -> bool:
+        """Rejected with a fault, or a legal transition that handled somebody's fault."""
+        return self.fault is not None
+
+    @property
+    def root(self) -> bool:
+        return self.cause is None
+
+    def row(self) -> Row:
+        return (self.seq, self.event, self.machine, self.before, self.state, int(self.outcome),
+                self.reason, None if self.fault is None else self.fault.value, self.cause)
+
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> Record:
+        """The typed view of a stored row."""
+        seq, event, machine, before, state, outcome, reason, fault, cause = row
+        return cls(seq, event, machine, before, state, Outcome(outcome), reason,
+                   None if fault is None else Fault(fault), cause)
+
+
+class Sink(Protocol):
+    """Where records go besides the in-memory window: the durable file log, a test list."""
+
+    def write(self, rows: Sequence[Row]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemorySink:
+    """Keeps every record; for tests, examples and short runs."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+
+    def write(self, rows: Sequence[Row]) -> None:
+        self.rows.extend(rows)
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def records(self) -> list[Record]:
+        return [Record.of(row) for row in self.rows]
+
+
+class EventLog:
+    """An append-only log with a thread-safe inbox and a bounded in-memory window."""
+
+    def __init__(
+        self,
+        *,
+        window: int = 65536,
+        sink: Sink | None = None,
+        inbox_limit: int = 1 << 20,
+        overflow: Overflow = Overflow.BLOCK,
+    ) -> None:
+        if window < 1 or inbox_limit < 1:
+            raise ValueError("window and inbox_limit must be positive")
+        self.inbox: Final[deque[Event]] = deque()
+        self.window: Final[deque[Row]] = deque(maxlen=window)
+        self.sink: Final = sink
+        self.inbox_limit: Final = inbox_limit
+        self.overflow: Final = overflow
+        self.next_seq = 0
+        self.unsunk: list[Row] | None = [] if sink is not None else None
+        self._room = threading.Condition()
+        self._waiting = 0
+        self._dropped: Counter[str] = Counter()
+        self._closed = False
+
+    # --- any thread ----------------------------------------------------------------------------
+
+    def submit(self, ev: Event) -> None:
+        """Queue an event for the owner. Thread-safe; blocks or counts only when the inbox is full."""
+        if len(self.inbox) >= self.inbox_limit and not self._make_room(ev):
+            return
+        self.inbox.append(ev)
+
+    def _make_room(self, ev: Event) -> bool:
+        with self._room:
+            if self.overflow is Overflow.COUNT:
+                self._dropped[ev.source] += 1
+                return False
+            self._waiting += 1
+            try:
+                while len(self.inbox) >= self.inbox_limit and not self._closed:
+                    self._room.wait(0.05)
+            finally:
+                self._waiting -= 1
+        return True
+
+    # --- owner thread ---------------------------------------------------------------------------
+    # The core, the log's single writer, appends rows inline on its hot path (a method call
+    # here would cost as much as the rest of the append); this is the same append, spelt out.
+
+    def append(
+        self,
+        event: Event,
+        machine: str,
+        before: str,
+        state: str,
+        outcome: Outcome,
+        reason: str = "",
+        fault: Fault | None = None,
+        cause: int | None = None,
+    ) -> Row:
+        """Assign the next sequence number and keep the record. Owner thread only."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        row: Row = (seq, event, machine, before, state, int(outcome), reason,
+                    None if fault is None else fault.value, cause)
+        self.window.append(row)
+        if self.unsunk is not None:
+            self.unsunk.append(row)
+        return row
+
+    def take_dropped(self) -> Counter[str]:
+        """Counts of events refused since the last call (COUNT policy). Owner thread only."""
+        if not self._dropped:
+            return Counter()
+        with self._room:
+            dropped, self._dropped = self._dropped, Counter()
+        return dropped
+
+    def flush(self) -> None:
+        """Hand recorded rows to the sink and wake producers waiting for room."""
+        if self.unsunk and self.sink is not None:
+            batch, self.unsunk = self.unsunk, []
+            self.sink.write(batch)
+        if self._waiting:
+            with self._room:
+                self._room.notify_all()
+
+    def close(self) -> None:
+        self.flush()
+        self._closed = True
+        if self.sink is not None:
+            self.sink.close()
+
+    # --- reading --------------------------------------------------------------------------------
+
+    @property
+    def evicted(self) -> int:
+        """Records no longer in the in-memory window (they went to the sink, if there is one)."""
+        return self.next_seq - len(self.window)
+
+    def records(self) -> list[Record]:
+        """The records still in the in-memory window, oldest first."""
+        return [Record.of(row) for row in tuple(self.window)]
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records())
+
+    def __len__(self) -> int:
+        return len(self.window)

@@ -1,0 +1,235 @@
+"""The producer (prefill-side) request: everything that affects its state machine lives here.
+
+::
+
+    NEW -> HOLDING -> RELEASED        (every expected notification part arrived)
+              \\-> EXPIRED             (the lease ran out first: released with a warning)
+    NEW -> STAGED -> HOLDING           (notifications that arrived before registration)
+              \\-> DISCARDED           (never registered: a remote protocol violation)
+
+Blocks are released exactly once: RELEASED and EXPIRED are terminal, and
+whichever of the last notification and the lease expiry comes second finds
+the request already released (vLLM PR 24268). Notifications are counted as
+distinct parts ``part`` of ``of`` (SGLang 39846); a duplicate, a part out of
+range or a disagreement on ``of`` is a remote violation that changes nothing.
+Notifications that arrive before the scheduler registers the request are
+staged, bounded in number and time (vLLM PR 43509). Heartbeats extend the
+lease from the local time of their arrival: every deadline here is on this
+core's clock (vLLM PR 50326).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from pdfsm.commands import FinishedSending
+from pdfsm.events import BlocksHeld, Heartbeat, LeaseExpired, NotificationReceived, StagedDropped
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
+
+if TYPE_CHECKING:
+    from pdfsm.core import Core
+
+__all__ = ["TABLE", "ProducerRequest", "ProducerState"]
+
+
+class ProducerState:
+    NEW: Final[State] = State("NEW")
+    STAGED: Final[State] = State("STAGED")
+    HOLDING: Final[State] = State("HOLDING")
+    RELEASED: Final[State] = State("RELEASED", terminal=True)
+    EXPIRED: Final[State] = State("EXPIRED", terminal=True)
+    DISCARDED: Final[State] = State("DISCARDED", terminal=True)
+
+
+S = ProducerState
+
+
+class ProducerRequest:
+    """A prefill-side request's data. Only the owner thread, through the table, changes it."""
+
+    __slots__ = ("block_ids", "deadline", "of", "outcome", "parts", "request_id", "state", "t_start")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.state: State = S.NEW
+        self.block_ids: tuple[int, ...] = ()
+        self.of = 0  # parts expected, learnt from the first notification
+        self.parts = 0  # bit i: part i has notified
+        self.deadline = 0
+        self.outcome = ""
+        self.t_start = 0
+
+    def __repr__(self) -> str:
+        return f"ProducerRequest({self.request_id!r}, {self.state})"
+
+    @property
+    def complete(self) -> bool:
+        return self.of > 0 and self.parts == (1 << self.of) - 1
+
+
+# --- guards -----------------------------------------------------------------------------------
+
+
+def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    """The common case: a well-formed, new part that completes the count."""
+    part, of = ev.part, ev.of
+    return (0 <= part < of and (m.of == 0 or of == m.of) and not (m.parts >> part) & 1
+            and m.parts | (1 << part) == (1 << of) - 1)
+
+
+def _foreign_deadline(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
+    return ev.deadline is not None and ev.deadline.clock != core.config.clock
+
+
+def _malformed(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return not 0 <= ev.part < ev.of
+
+
+def _disagrees_on_count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return m.of != 0 and ev.of != m.of
+
+
+def _duplicate(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return (m.parts >> ev.part) & 1 == 1
+
+
+def _completes(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return m.parts | (1 << ev.part) == (1 << ev.of) - 1
+
+
+def _staged_complete(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
+    return m.complete
+
+
+# --- actions ----------------------------------------------------------------------------------
+
+
+def _hold(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
+    m.block_ids = ev.block_ids
+    m.t_start = ev.t_ns
+    m.deadline = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.lease_ns
+    core.leases.arm(m.request_id, m.deadline)
+
+
+def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
+    core.leases.disarm(m.request_id, m.deadline)  # the staging time no longer applies
+    core.unstage(m)
+    _hold(m, ev, core)
+
+
+def _release(m: ProducerRequest, expired: bool, t_ns: int, core: Core) -> None:
+    if not expired:
+        core.leases.disarm(m.request_id, m.deadline)
+    m.deadline = 0
+    core.emit(FinishedSending(request_id=m.request_id, block_ids=m.block_ids, expired=expired))
+    core.finished(m, "expired" if expired else "released", t_ns)
+
+
+def _hold_and_release(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
+    _hold_staged(m, ev, core)
+    _release(m, False, ev.t_ns, core)
+
+
+def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
+    m.of = ev.of
+    m.parts |= 1 << ev.part
+
+
+def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
+    _count(m, ev, core)
+    m.t_start = ev.t_ns
+    m.deadline = ev.t_ns + core.config.staging_ttl_ns
+    core.stage(m)
+
+
+def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
+    m.of = ev.of
+    m.parts |= 1 << ev.part
+    _release(m, False, ev.t_ns, core)
+
+
+def _extend(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
+    deadline = ev.t_ns + ev.extend_ns  # rebased: the extension runs from our own arrival time
+    if deadline > m.deadline:
+        core.leases.disarm(m.request_id, m.deadline)
+        m.deadline = deadline
+        core.leases.arm(m.request_id, deadline)
+
+
+def _expire(m: ProducerRequest, ev: LeaseExpired, core: Core) -> None:
+    _release(m, True, ev.t_ns, core)
+
+
+def _discard(m: ProducerRequest, ev: LeaseExpired | StagedDropped, core: Core) -> None:
+    core.leases.disarm(m.request_id, m.deadline)
+    m.deadline = 0
+    core.unstage(m)
+    core.finished(m, "discarded", ev.t_ns)
+
+
+# --- the table --------------------------------------------------------------------------------
+
+local, remote = Fault.LOCAL, Fault.REMOTE
+_bad_part = Illegal(remote, "part out of range", when=_malformed)
+_bad_count = Illegal(remote, "notification parts disagree on how many to expect", when=_disagrees_on_count)
+_dup = Illegal(remote, "duplicate notification for a part already counted", when=_duplicate)
+_reused = Illegal(local, "request id reused after release")
+
+TABLE: Final[Table] = Table(
+    "producer",
+    states=(S.NEW, S.STAGED, S.HOLDING, S.RELEASED, S.EXPIRED, S.DISCARDED),
+    initial=S.NEW,
+    events=(BlocksHeld, NotificationReceived, Heartbeat, LeaseExpired, StagedDropped),
+    cells=(
+        on(
+            S.NEW,
+            BlocksHeld,
+            Illegal(local, "deadline is on another clock: rebase it first", when=_foreign_deadline),
+            Go(S.HOLDING, _hold),
+        ),
+        on(S.NEW, NotificationReceived, _bad_part, Go(S.STAGED, _stage)),
+        on(S.NEW, Heartbeat, Illegal(remote, "heartbeat for a request this engine does not hold")),
+        on(S.NEW, (LeaseExpired, StagedDropped), Illegal(local, "no such request")),
+        # STAGED: notifications arrived before the scheduler registered the blocks.
+        on(
+            S.STAGED,
+            BlocksHeld,
+            Illegal(local, "deadline is on another clock: rebase it first", when=_foreign_deadline),
+            Go(S.RELEASED, _hold_and_release, when=_staged_complete),
+            Go(S.HOLDING, _hold_staged),
+        ),
+        on(S.STAGED, NotificationReceived, _bad_part, _bad_count, _dup, Go(S.STAGED, _count)),
+        on(S.STAGED, Heartbeat, Ignore("not registered yet: no lease to extend")),
+        on(S.STAGED, LeaseExpired, Go(S.DISCARDED, _discard, fault=remote,
+                                      reason="notification for a request that was never registered")),
+        on(S.STAGED, StagedDropped, Go(S.DISCARDED, _discard, fault=remote,
+                                       reason="staged notifications dropped: staging is full")),
+        # HOLDING: counting distinct parts under a lease.
+        on(S.HOLDING, BlocksHeld, Illegal(local, "blocks already held for this request id")),
+        on(
+            S.HOLDING,
+            NotificationReceived,
+            Go(S.RELEASED, _count_and_release, when=_completes_cleanly),
+            _bad_part,
+            _bad_count,
+            _dup,
+            Go(S.RELEASED, _count_and_release, when=_completes),
+            Go(S.HOLDING, _count),
+        ),
+        on(S.HOLDING, Heartbeat, Go(S.HOLDING, _extend)),
+        on(S.HOLDING, LeaseExpired, Go(S.EXPIRED, _expire, fault=remote,
+                                       reason="lease expired before every consumer part notified")),
+        on((S.HOLDING, S.RELEASED, S.EXPIRED, S.DISCARDED), StagedDropped, Illegal(local, "not staged")),
+        # Terminal: late and duplicate news.
+        on((S.RELEASED, S.EXPIRED, S.DISCARDED), BlocksHeld, _reused),
+        on(S.RELEASED, NotificationReceived,
+           Illegal(remote, "notification for a request already released: duplicate or late")),
+        on(S.EXPIRED, NotificationReceived,
+           Illegal(remote, "notification after the lease expired: that read may have seen reused blocks")),
+        on(S.DISCARDED, NotificationReceived, Illegal(remote, "notification for a discarded request")),
+        on((S.RELEASED, S.DISCARDED), Heartbeat, Ignore("already released")),
+        on(S.EXPIRED, Heartbeat, Illegal(remote, "heartbeat after the lease expired")),
+        on(S.RELEASED, LeaseExpired, Ignore("already released by its notifications")),
+        on((S.EXPIRED, S.DISCARDED), LeaseExpired, Ignore("already expired")),
+    ),
+)

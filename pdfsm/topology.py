@@ -1,0 +1,129 @@
+"""Which remote ranks a consumer rank reads, and how many notifications a producer rank expects.
+
+Terms, from the consumer's (decode side, D) point of view, with the producer
+(prefill side, P):
+
+- ``tp_ratio = D_TP / P_TP`` when ``D_TP >= P_TP``, else ``-(P_TP / D_TP)``.
+- D larger (ratio ``r > 1``): D rank ``d`` reads slice ``d % r`` of ``r`` of
+  every block of P rank ``d // r``; each P rank is read by ``r`` D ranks and
+  so expects ``r`` notifications (parts ``0..r-1``).
+- P larger (ratio ``-k``): D rank ``d`` covers P ranks ``d*k .. d*k+k-1`` and
+  reads each one's whole block into slice ``j % k`` of its own block; each P
+  rank expects one notification.
+- MLA: the latent KV is replicated on every P rank, so D reads whole blocks
+  from one P rank only and sends the other ranks it covers a plain
+  notification carrying P's request id (vLLM PR 36958).
+- PP: every remote rank is ``(pp_rank, tp_rank)``. A consumer with PP size 1
+  reads every producer PP rank; equal PP sizes read the matching rank.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+__all__ = [
+    "Layout",
+    "ReadPlan",
+    "ReadSource",
+    "TopologyError",
+    "expected_notifications",
+    "read_plan",
+    "tp_ratio",
+]
+
+
+class TopologyError(ValueError):
+    """Two engines' parallel layouts cannot exchange KV blocks."""
+
+
+class Layout(NamedTuple):
+    """One side's parallel layout and this worker's place in it."""
+
+    tp_size: int
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+
+class ReadSource(NamedTuple):
+    """One read: a remote rank, and which slice of the remote and local block it moves."""
+
+    pp_rank: int
+    tp_rank: int
+    remote_slice: int = 0
+    remote_slices: int = 1
+    local_slice: int = 0
+    local_slices: int = 1
+
+
+class ReadPlan(NamedTuple):
+    """Everything a consumer rank does for one request, independent of the request itself."""
+
+    sources: tuple[ReadSource, ...]
+    notify_only: tuple[tuple[int, int], ...]  # (pp, tp) ranks told without being read (MLA)
+    part: int  # which notification part this consumer rank is, for each rank it notifies
+    of: int  # how many parts each notified producer rank expects
+    pp_ranks: tuple[int, ...]  # the remote PP ranks involved, i.e. the engines waited for
+    position: dict[tuple[int, int], int]  # (pp_rank, tp_rank) -> index in sources
+    all_read: int  # the bit mask with one bit per source
+
+
+def tp_ratio(consumer_tp: int, producer_tp: int) -> int:
+    """``D_TP / P_TP`` when the consumer's TP is larger or equal, else ``-(P_TP / D_TP)``."""
+    if consumer_tp < 1 or producer_tp < 1:
+        raise TopologyError(f"TP sizes must be positive: consumer {consumer_tp}, producer {producer_tp}")
+    big, small = max(consumer_tp, producer_tp), min(consumer_tp, producer_tp)
+    if big % small:
+        raise TopologyError(
+            f"TP sizes must divide one another: consumer {consumer_tp}, producer {producer_tp}"
+        )
+    return consumer_tp // producer_tp if consumer_tp >= producer_tp else -(producer_tp // consumer_tp)
+
+
+def expected_notifications(producer_tp: int, consumer_tp: int) -> int:
+    """How many distinct notifications each producer rank receives per request."""
+    return max(1, tp_ratio(consumer_tp, producer_tp))
+
+
+@lru_cache(maxsize=1024)
+def read_plan(local: Layout, remote: Layout, mla: bool) -> ReadPlan:
+    """The reads and notifications of consumer rank ``local`` against producer ``remote``.
+
+    Cached: every request between the same two layouts shares one plan.
+    """
+    if not 0 <= local.tp_rank < local.tp_size or not 0 <= local.pp_rank < local.pp_size:
+        raise TopologyError(f"local rank ({local.pp_rank}, {local.tp_rank}) outside {local}")
+    if remote.pp_size < 1:
+        raise TopologyError(f"producer PP size must be positive, got {remote.pp_size}")
+    if local.pp_size == 1:
+        pp_ranks = tuple(range(remote.pp_size))
+    elif local.pp_size == remote.pp_size:
+        pp_ranks = (local.pp_rank,)
+    else:
+        raise TopologyError(
+            f"PP sizes cannot be matched: consumer {local.pp_size}, producer {remote.pp_size}"
+        )
+    ratio = tp_ratio(local.tp_size, remote.tp_size)
+    d = local.tp_rank
+    sources: list[ReadSource] = []
+    extra: list[tuple[int, int]] = []
+    for pp in pp_ranks:
+        if ratio > 0:
+            if mla:
+                sources.append(ReadSource(pp, d // ratio))
+            else:
+                sources.append(ReadSource(pp, d // ratio, remote_slice=d % ratio, remote_slices=ratio))
+        else:
+            k = -ratio
+            covered = range(d * k, d * k + k)
+            if mla:
+                sources.append(ReadSource(pp, covered[0]))
+                extra.extend((pp, t) for t in covered[1:])
+            else:
+                sources.extend(
+                    ReadSource(pp, t, local_slice=t % k, local_slices=k) for t in covered
+                )
+    part, of = (d % ratio, ratio) if ratio > 0 else (0, 1)
+    position = {(src.pp_rank, src.tp_rank): i for i, src in enumerate(sources)}
+    return ReadPlan(tuple(sources), tuple(extra), part, of, pp_ranks, position, (1 << len(sources)) - 1)

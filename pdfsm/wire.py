@@ -1,0 +1,87 @@
+"""Messages that cross the network between engines, with their schemas and size caps.
+
+Every message is a typed msgspec Struct encoded as MessagePack; nothing from
+the network is ever unpickled. A decoder checks the size cap before it looks
+at a single byte of the payload, then decodes into exactly one of the known
+types (anything else is a :class:`WireError` that names what was wrong).
+
+Notifications are built by the library from the producer's request id, never
+from the consumer's local id (vLLM PR 36958), and say which part they are
+(``part`` of ``of``) so the producer counts distinct parts (SGLang 39846).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Generic, TypeVar
+
+import msgspec
+
+__all__ = [
+    "MAX_ID_CHARS",
+    "MAX_NOTIFY_BYTES",
+    "Codec",
+    "HeartbeatMessage",
+    "NotifyMessage",
+    "Notification",
+    "WireError",
+    "notify_codec",
+]
+
+MAX_ID_CHARS: Final = 256
+MAX_NOTIFY_BYTES: Final = 1024
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+
+
+class WireError(ValueError):
+    """Bytes from a peer were refused: too large, malformed, or not a known message."""
+
+
+class Notification(msgspec.Struct, frozen=True, gc=False, tag="n", array_like=True):
+    """Part ``part`` of ``of`` of the consumer has read the producer's request ``request_id``."""
+
+    request_id: RequestId
+    part: Count  # 0 <= part < of is checked by the producer's table, which attributes it
+    of: Count
+
+
+class HeartbeatMessage(msgspec.Struct, frozen=True, gc=False, tag="h", array_like=True):
+    """A consumer still intends to read ``request_id``: extend its lease by ``extend_ns``."""
+
+    request_id: RequestId
+    extend_ns: Annotated[int, msgspec.Meta(gt=0, le=3_600_000_000_000)]
+
+
+NotifyMessage = Notification | HeartbeatMessage
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """Encode and decode one message union with a size cap checked before decoding."""
+
+    __slots__ = ("_decoder", "_encoder", "cap", "name")
+
+    def __init__(self, name: str, kind: type[T], cap: int) -> None:
+        self.name: Final = name
+        self.cap: Final = cap
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(kind)
+
+    def encode(self, message: T) -> bytes:
+        raw = self._encoder.encode(message)
+        if len(raw) > self.cap:
+            raise WireError(f"{self.name}: message of {len(raw)} bytes exceeds the cap of {self.cap}")
+        return raw
+
+    def decode(self, raw: bytes | bytearray | memoryview) -> T:
+        if len(raw) > self.cap:
+            raise WireError(f"{self.name}: message of {len(raw)} bytes exceeds the cap of {self.cap}")
+        try:
+            return self._decoder.decode(raw)
+        except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
+            raise WireError(f"{self.name}: {exc}") from None
+
+
+notify_codec: Final[Codec[NotifyMessage]] = Codec("notification", NotifyMessage, MAX_NOTIFY_BYTES)  # type: ignore[arg-type]
