@@ -45,6 +45,7 @@ from pdfsm.events import (
     LeaseExpired,
     Quarantined,
     Reported,
+    SendFailed,
     Source,
     StagedDropped,
     Started,
@@ -248,6 +249,8 @@ class Core:
             fault, outcome = Fault.REMOTE, Outcome.REJECTED
         elif isinstance(ev, Dropped):
             reason, fault = f"inbox full: {ev.count} events refused", Fault.LOCAL
+        elif isinstance(ev, SendFailed):
+            reason = f"could not tell {ev.engine_id} ({ev.pp_rank}, {ev.tp_rank}) about {ev.request_id}: {ev.error}"
         row = self.log.append(ev, "core", "-", "-", outcome, reason, fault, cause)
         if fault is not None:
             self._violation(row, 0, None, None)

@@ -63,6 +63,7 @@ __all__ = [
     "Reported",
     "Source",
     "StagedDropped",
+    "SendFailed",
     "Started",
     "Tick",
     "ALL_EVENTS",
@@ -160,6 +161,16 @@ class Dropped(Event, frozen=True):
 
     count: int
     by_source: dict[str, int]
+
+
+class SendFailed(Event, frozen=True):
+    """A notification or heartbeat could not be sent; the producer's lease will release it."""
+
+    engine_id: str
+    pp_rank: int
+    tp_rank: int
+    request_id: str
+    error: str
 
 
 class BadMessage(Event, frozen=True):
@@ -399,6 +410,7 @@ EventType = (
     | Tick
     | Collect
     | Dropped
+    | SendFailed
     | BadMessage
     | ReadRequested
     | EngineReady

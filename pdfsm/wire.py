@@ -16,6 +16,8 @@ from typing import Annotated, Final, Generic, TypeVar
 
 import msgspec
 
+from pdfsm.events import BadMessage, Event, Heartbeat, NotificationReceived
+
 __all__ = [
     "MAX_ID_CHARS",
     "MAX_NOTIFY_BYTES",
@@ -24,6 +26,7 @@ __all__ = [
     "NotifyMessage",
     "Notification",
     "WireError",
+    "notification_event",
     "notify_codec",
 ]
 
@@ -85,3 +88,18 @@ class Codec(Generic[T]):
 
 
 notify_codec: Final[Codec[NotifyMessage]] = Codec("notification", NotifyMessage, MAX_NOTIFY_BYTES)  # type: ignore[arg-type]
+
+
+def notification_event(raw: bytes, *, sender: str, source: str, t_ns: int) -> Event:
+    """The event for raw notification bytes from ``sender``: a notification, a heartbeat, or,
+    for anything that does not decode, a :class:`~pdfsm.events.BadMessage` (a remote fault)."""
+    try:
+        msg = notify_codec.decode(raw)
+    except WireError as exc:
+        return BadMessage(source=source, t_ns=t_ns, channel="notification", sender=sender,
+                          error=str(exc), size=len(raw))
+    if isinstance(msg, Notification):
+        return NotificationReceived(source=source, t_ns=t_ns, request_id=msg.request_id, part=msg.part,
+                                    of=msg.of, sender=sender)
+    return Heartbeat(source=source, t_ns=t_ns, request_id=msg.request_id, extend_ns=msg.extend_ns,
+                     sender=sender)

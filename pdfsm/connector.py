@@ -1,0 +1,354 @@
+"""The scheduler-facing API, shaped like vLLM's ``KVConnectorBase_V1`` (docs/embedding.md).
+
+A :class:`Connector` is one worker's adapter around a sans-IO :class:`~pdfsm.core.Core`:
+it stamps events with its clock, hands them to the log, lets the core apply them,
+carries out the commands the machines emit through a transport and a
+handshaker, and, each scheduler step, gives back what finished:
+
+- decode side: :meth:`load` (or :meth:`start_load_kv` with a step's metadata),
+  :meth:`abort`, :meth:`heartbeat`;
+- prefill side: :meth:`request_finished`, which holds the blocks under a lease
+  and returns the ``kv_transfer_params`` for the router;
+- every step: :meth:`get_finished` and :meth:`get_block_ids_with_load_errors`,
+  which report each request exactly once, with its invalid blocks in the same
+  step (vLLM's contract for asynchronous loads).
+
+Arguments are validated before anything is submitted: bad input raises
+:class:`~pdfsm.errors.InvalidInput` naming the field, and nothing already
+accepted is touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import structlog
+
+from pdfsm.commands import (
+    AddPeer,
+    CancelRead,
+    Command,
+    DropPeer,
+    FinishedSending,
+    HandOff,
+    PostRead,
+    SendNotification,
+    StartHandshake,
+)
+from pdfsm.core import Core
+from pdfsm.errors import InvalidInput
+from pdfsm.events import (
+    AbortRequested,
+    BlocksHeld,
+    Collect,
+    CoreConfig,
+    Deadline,
+    HandleFailed,
+    HandleFailure,
+    HandshakeFailed,
+    PeerAdded,
+    ReadRequested,
+    SendFailed,
+    Source,
+    Tick,
+)
+from pdfsm.log import EventLog
+from pdfsm.topology import TopologyError, tp_ratio
+from pdfsm.wire import MAX_ID_CHARS, HeartbeatMessage, Notification
+from transports.base import Clock, Handshaker, Transport
+
+__all__ = ["Connector", "ConnectorMetadata", "KVTransferParams", "StepOutput"]
+
+_log = structlog.get_logger("pdfsm.connector")
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What the prefill side returns and the router hands to the decode side."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str = "127.0.0.1"
+    remote_port: int = 0
+    remote_block_ids: tuple[int, ...] = ()
+    remote_tp_size: int = 1
+    remote_pp_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def parse(cls, params: KVTransferParams | Mapping[str, Any]) -> KVTransferParams:
+        """Typed params from a router's dict; InvalidInput names the first bad field."""
+        if isinstance(params, KVTransferParams):
+            return params
+        try:
+            return msgspec.convert(dict(params), cls)
+        except msgspec.ValidationError as exc:
+            raise InvalidInput("kv_transfer_params", str(exc)) from None
+
+
+class ConnectorMetadata(msgspec.Struct, kw_only=True):
+    """One scheduler step's instructions to a worker (vLLM's ``KVConnectorMetadata``)."""
+
+    reqs_to_recv: dict[str, tuple[tuple[int, ...], KVTransferParams]] = {}
+    reqs_to_send: dict[str, tuple[int, ...]] = {}
+    aborted: tuple[str, ...] = ()
+
+
+class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one :meth:`Connector.get_finished` reports; each request appears once."""
+
+    step: int
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()  # received, failed and aborted alike
+    invalid_block_ids: frozenset[int] = frozenset()
+    failed: tuple[HandOff, ...] = ()  # with their policy and reason
+    aborted: frozenset[str] = frozenset()
+    expired: frozenset[str] = frozenset()  # producer requests released by their lease
+
+
+def _check_id(field: str, value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise InvalidInput(field, f"must be a non-empty string of at most {MAX_ID_CHARS} characters, got {value!r}")
+    return value
+
+
+def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(blocks)
+    for b in out:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise InvalidInput(field, f"block ids must be non-negative ints, got {b!r}")
+    return out
+
+
+class Connector:
+    """One worker's KV connector: the vLLM-shaped API over a core, a transport and a handshaker."""
+
+    def __init__(
+        self,
+        config: CoreConfig,
+        transport: Transport,
+        handshaker: Handshaker,
+        *,
+        log: EventLog | None = None,
+        clock: Clock = time.monotonic_ns,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if config.supports_pp and not transport.capabilities.supports_pp:
+            config = msgspec.structs.replace(config, supports_pp=False)
+        self.config = config
+        self.host, self.port = host, port
+        self.transport, self.handshaker = transport, handshaker
+        self._clock = clock
+        self.core = Core(config, log, t_ns=clock())
+        transport.bind(self.core.submit, clock)
+        handshaker.bind(self.core.submit, clock)
+        self._step = 0
+        self._out: list[Command] = []
+        self.last = StepOutput(step=0)
+
+    # --- prefill side ---------------------------------------------------------------------------
+
+    def request_finished(
+        self, request_id: str, block_ids: Sequence[int], *, lease_ns: int | None = None
+    ) -> KVTransferParams:
+        """The request finished prefill: hold its blocks for the consumer, under a lease.
+
+        Returns the ``kv_transfer_params`` the router passes to the decode side. The
+        blocks come back in :attr:`StepOutput.finished_sending` once every consumer
+        rank has read them, or once the lease expired.
+        """
+        rid = _check_id("request_id", request_id)
+        blocks = _check_blocks("block_ids", block_ids)
+        if lease_ns is not None and lease_ns <= 0:
+            raise InvalidInput("lease_ns", f"must be positive, got {lease_ns}")
+        now = self._clock()
+        deadline = None if lease_ns is None else Deadline(self.config.clock, now + lease_ns)
+        self.core.submit(BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks,
+                                    deadline=deadline))
+        cfg = self.config
+        return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=rid, remote_host=self.host,
+                                remote_port=self.port, remote_block_ids=blocks, remote_tp_size=cfg.tp_size,
+                                remote_pp_size=cfg.pp_size)
+
+    # --- decode side ----------------------------------------------------------------------------
+
+    def load(
+        self, request_id: str, local_block_ids: Sequence[int], params: KVTransferParams | Mapping[str, Any]
+    ) -> None:
+        """Pull a request's KV blocks from the producer named in ``params``.
+
+        ``local_block_ids`` may be shorter than the remote ones (a partial local prefix
+        hit): the last remote blocks are read. Empty means notify-only: nothing is
+        read, the producer is told it may release, and the request is not reported.
+        """
+        rid = _check_id("request_id", request_id)
+        p = KVTransferParams.parse(params)
+        _check_id("remote_request_id", p.remote_request_id)
+        _check_id("remote_engine_id", p.remote_engine_id)
+        local = _check_blocks("local_block_ids", local_block_ids)
+        remote = _check_blocks("remote_block_ids", p.remote_block_ids)
+        if len(local) > len(remote):
+            raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")
+        if p.remote_pp_size < 1:
+            raise InvalidInput("remote_pp_size", f"must be positive, got {p.remote_pp_size}")
+        try:
+            tp_ratio(self.config.tp_size, p.remote_tp_size)
+        except TopologyError as exc:
+            raise InvalidInput("remote_tp_size", str(exc)) from None
+        remote = remote[len(remote) - len(local):] if local else ()
+        self.core.submit(ReadRequested(
+            source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid, remote_request_id=p.remote_request_id,
+            engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
+            remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote))
+
+    def abort(self, request_id: str) -> None:
+        """The scheduler aborted the request; blocks still being read stay held until the reads stop."""
+        rid = _check_id("request_id", request_id)
+        self.core.submit(AbortRequested(source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid))
+
+    def heartbeat(self, params: KVTransferParams | Mapping[str, Any], extend_ns: int) -> int:
+        """Tell the producer a queued request will still be read: extend its lease by ``extend_ns``.
+
+        Sent only to producer engines already connected; returns how many ranks were told.
+        """
+        p = KVTransferParams.parse(params)
+        if extend_ns <= 0:
+            raise InvalidInput("extend_ns", f"must be positive, got {extend_ns}")
+        msg = HeartbeatMessage(p.remote_request_id, extend_ns)
+        plan = self.core.plan(p.remote_tp_size, p.remote_pp_size)
+        ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
+        told = 0
+        for pp, tp in ranks:
+            if self.core.engine_connected((p.remote_engine_id, pp)):
+                try:
+                    self.transport.send((p.remote_engine_id, pp), tp, msg)
+                    told += 1
+                except Exception as exc:  # noqa: BLE001 - any transport failure is reported, not raised
+                    self._send_failed(p.remote_engine_id, pp, tp, p.remote_request_id, exc)
+        return told
+
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        """Everything one scheduler step asks of this worker, then one round of progress."""
+        for rid, (local, params) in metadata.reqs_to_recv.items():
+            self.load(rid, local, params)
+        for rid, blocks in metadata.reqs_to_send.items():
+            self.request_finished(rid, blocks)
+        for rid in metadata.aborted:
+            self.abort(rid)
+        self.step()
+
+    # --- every step -----------------------------------------------------------------------------
+
+    def step(self, rounds: int = 16) -> None:
+        """Apply what is queued, carry out the commands, poll the transport, fire due timers.
+
+        Owner thread only. Repeats while events keep arriving, at most ``rounds`` times.
+        """
+        core = self.core
+        for _ in range(rounds):
+            core.pump()
+            self._execute(core.take_commands())
+            self.transport.progress()
+            self.handshaker.progress()
+            due = core.next_deadline()
+            if due is not None:
+                now = self._clock()
+                if due <= now:
+                    core.submit(Tick(source=Source.TIMER, t_ns=now))
+            if not core.log.inbox:
+                break
+
+    def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) since the last call: each request once.
+
+        Failed and aborted consumer requests are among those finished receiving;
+        :meth:`get_block_ids_with_load_errors` has the failed ones' blocks for this
+        same step, and :attr:`last` the details.
+        """
+        self.step()
+        self._step += 1
+        self.core.submit(Collect(source=Source.SCHEDULER, t_ns=self._clock(), step=self._step))
+        self.step()
+        out, self._out = self._out, []
+        sending, expired, recving, aborted = set(), set(), set(), set()
+        failed: list[HandOff] = []
+        invalid: set[int] = set()
+        for cmd in out:
+            if isinstance(cmd, FinishedSending):
+                sending.add(cmd.request_id)
+                if cmd.expired:
+                    expired.add(cmd.request_id)
+            elif isinstance(cmd, HandOff):
+                recving.add(cmd.request_id)
+                if cmd.outcome == "failed":
+                    failed.append(cmd)
+                    invalid.update(cmd.invalid_blocks)
+                elif cmd.outcome == "aborted":
+                    aborted.add(cmd.request_id)
+        self.last = StepOutput(step=self._step, finished_sending=frozenset(sending),
+                               finished_recving=frozenset(recving), invalid_block_ids=frozenset(invalid),
+                               failed=tuple(failed), aborted=frozenset(aborted), expired=frozenset(expired))
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local blocks of the requests reported failed by the last :meth:`get_finished`."""
+        return set(self.last.invalid_block_ids)
+
+    def shutdown(self) -> None:
+        """Stop: reads in flight are cancelled, the log is flushed and closed."""
+        self.handshaker.close()
+        self.transport.close()
+        self.step()
+        self.core.log.close()
+
+    # --- carrying out commands ------------------------------------------------------------------
+
+    def _execute(self, cmds: list[Command]) -> None:
+        submit, now = self.core.submit, self._clock
+        for cmd in cmds:
+            try:
+                if isinstance(cmd, PostRead):
+                    try:
+                        self.transport.post_read(cmd)
+                    except Exception as exc:  # noqa: BLE001 - a read that cannot start is a SETUP failure
+                        src = cmd.source
+                        submit(HandleFailed(source=Source.TRANSFER, t_ns=now(), request_id=cmd.request_id,
+                                            pp_rank=src.pp_rank, tp_rank=src.tp_rank, why=HandleFailure.SETUP,
+                                            detail=f"{type(exc).__name__}: {exc}"))
+                elif isinstance(cmd, (HandOff, FinishedSending)):
+                    self._out.append(cmd)
+                elif isinstance(cmd, SendNotification):
+                    self._send(cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
+                elif isinstance(cmd, CancelRead):
+                    self.transport.cancel_read(cmd.request_id, cmd.pp_rank, cmd.tp_rank)
+                elif isinstance(cmd, StartHandshake):
+                    self.handshaker.start(cmd)
+                elif isinstance(cmd, AddPeer):
+                    try:
+                        self.transport.add_peer((cmd.engine_id, cmd.pp_rank), cmd.reply)
+                    except Exception as exc:  # noqa: BLE001 - the transport refused the peer
+                        submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=now(), engine_id=cmd.engine_id,
+                                               pp_rank=cmd.pp_rank, attempt=cmd.attempt,
+                                               error=f"transport refused the peer: {exc}"))
+                    else:
+                        submit(PeerAdded(source=Source.HANDSHAKE, t_ns=now(), engine_id=cmd.engine_id,
+                                         pp_rank=cmd.pp_rank, attempt=cmd.attempt))
+                elif isinstance(cmd, DropPeer):
+                    self.transport.drop_peer((cmd.engine_id, cmd.pp_rank))
+            except Exception:  # a transport bug must not take the engine down; it is logged
+                _log.exception("command failed", command=type(cmd).__name__)
+
+    def _send(self, engine_id: str, pp_rank: int, tp_rank: int, note: Notification) -> None:
+        try:
+            self.transport.send((engine_id, pp_rank), tp_rank, note)
+        except Exception as exc:  # noqa: BLE001 - the producer's lease will release it
+            self._send_failed(engine_id, pp_rank, tp_rank, note.request_id, exc)
+
+    def _send_failed(self, engine_id: str, pp_rank: int, tp_rank: int, request_id: str, exc: Exception) -> None:
+        self.core.submit(SendFailed(source=Source.NOTIFY, t_ns=self._clock(), engine_id=engine_id, pp_rank=pp_rank,
+                                    tp_rank=tp_rank, request_id=request_id, error=f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,311 @@
+"""A deterministic, programmable transport: a whole simulated network inside one process.
+
+Nothing here runs on its own. Reads advance, notifications arrive and handshakes
+answer only when an agent's :meth:`SimTransport.progress` (or the handshaker's)
+is called, in insertion order, so a test decides exactly what happens when, and
+the same calls always produce the same events.
+
+What can be programmed, per read (request id, remote pp_rank, remote tp_rank):
+spend N polls in PROC, then end DONE, ERR, with the poll raising, or hang until
+cancelled (:class:`ReadScript`). Per notification: drop, duplicate, or delay it
+by N progress calls of the receiver (reordering it behind later ones). Per
+listener: refuse or never answer a handshake. Any agent can be killed: its
+peers' reads to it end DISCONNECTED and sends to it raise.
+
+Memory is a bytearray per agent. A read copies bytes when it completes, so
+bytes a producer overwrote before that are what the consumer gets: the race
+tester detects premature reuse by verifying content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from pdfsm.commands import PostRead, StartHandshake
+from pdfsm.events import (
+    EngineKey,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeReply,
+    RankInfo,
+    Source,
+)
+from pdfsm.wire import NotifyMessage, notification_event, notify_codec
+from transports.base import Capabilities, Clock, Submit, TransportError
+
+__all__ = ["ReadScript", "SimHandshaker", "SimNetwork", "SimTransport", "pattern"]
+
+End = Literal["done", "err", "raise", "hang"]
+
+
+class ReadScript(msgspec.Struct, frozen=True):
+    """How one read behaves: ``polls`` progress calls in PROC, then ``end``."""
+
+    polls: int = 1
+    end: End = "done"
+
+
+class _Layout(msgspec.Struct, frozen=True, array_like=True):
+    num_blocks: int
+    block_bytes: int
+
+
+_layout_codec = msgspec.msgpack.Decoder(_Layout)
+
+
+def pattern(agent: str, block: int, size: int) -> bytes:
+    """Deterministic content for a producer block, the same in every process, so a consumer
+    can verify what it read."""
+    digest = hashlib.blake2b(f"{agent}:{block}".encode(), digest_size=32).digest()
+    return (digest * (size // 32 + 1))[:size]
+
+
+class SimNetwork:
+    """The agents, listeners and programmed faults of one simulated world."""
+
+    def __init__(self) -> None:
+        self.agents: dict[str, SimTransport] = {}
+        self.dead: set[str] = set()
+        self.listeners: dict[tuple[str, int], Callable[[int], HandshakeReply]] = {}
+        self.handshake_faults: dict[tuple[str, int], Literal["refuse", "hang"]] = {}
+        self.handshake_polls = 1
+        self.default_read = ReadScript()
+        self.read_scripts: dict[tuple[str, int, int], ReadScript] = {}
+        self.notify_faults: dict[str, deque[tuple[str, int]]] = {}  # producer request id -> actions
+
+    def serve(self, host: str, port: int, reply_for: Callable[[int], HandshakeReply]) -> None:
+        """Answer handshakes at (host, port): ``reply_for(pp_rank)`` is the reply."""
+        self.listeners[(host, port)] = reply_for
+
+    def script(self, request_id: str, pp_rank: int, tp_rank: int, script: ReadScript) -> None:
+        self.read_scripts[(request_id, pp_rank, tp_rank)] = script
+
+    def fault_notification(self, request_id: str, action: Literal["drop", "duplicate", "delay"], n: int = 1) -> None:
+        """The next notification for producer request ``request_id`` is dropped, sent twice, or
+        delayed by ``n`` progress calls of its receiver."""
+        self.notify_faults.setdefault(request_id, deque()).append((action, n))
+
+    def kill(self, agent: str) -> None:
+        self.dead.add(agent)
+
+    def revive(self, agent: str) -> None:
+        self.dead.discard(agent)
+
+    def deliver(self, sender: str, receiver: str, raw: bytes, request_id: str = "") -> None:
+        """Put raw notification bytes in a receiver's inbox, applying any programmed fault."""
+        target = self.agents.get(receiver)
+        if target is None or receiver in self.dead:
+            raise TransportError(f"{receiver}: peer unreachable")
+        action, n = ("", 0)
+        faults = self.notify_faults.get(request_id)
+        if faults:
+            action, n = faults.popleft()
+        if action == "drop":
+            return
+        delay = n if action == "delay" else 0
+        copies = 2 if action == "duplicate" else 1
+        for _ in range(copies):
+            target.inbox.append([delay, sender, raw])
+
+
+class _Read:
+    __slots__ = ("cancelled", "cmd", "local_range", "polls", "remote", "remote_range", "script")
+
+    def __init__(self, cmd: PostRead, remote: str, script: ReadScript,
+                 local_range: tuple[int, int], remote_range: tuple[int, int]) -> None:
+        self.cmd, self.remote, self.script = cmd, remote, script
+        self.polls = script.polls
+        self.cancelled = False
+        self.local_range, self.remote_range = local_range, remote_range  # (offset, length) in a block
+
+
+class SimTransport:
+    """One simulated agent: a worker's KV memory and its view of the network."""
+
+    def __init__(
+        self,
+        network: SimNetwork,
+        agent: str,
+        *,
+        pp_rank: int = 0,
+        tp_rank: int = 0,
+        num_blocks: int = 64,
+        block_bytes: int = 64,
+        supports_pp: bool = True,
+    ) -> None:
+        if agent in network.agents:
+            raise ValueError(f"agent {agent!r} already exists")
+        self.network, self.agent = network, agent
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self.capabilities = Capabilities(name="sim", supports_pp=supports_pp, memory_kinds=frozenset({"DRAM"}))
+        self.memory = bytearray(num_blocks * block_bytes)
+        self.peers: dict[EngineKey, dict[int, str]] = {}
+        self.reads: dict[tuple[str, int, int], _Read] = {}
+        self.inbox: deque[list[object]] = deque()  # [delay, sender, raw]
+        self.sent: list[tuple[str, NotifyMessage]] = []
+        self._submit: Submit | None = None
+        self._clock: Clock = lambda: 0
+        network.agents[agent] = self
+
+    # --- memory, for tests and demos ------------------------------------------------------------
+
+    def block(self, b: int) -> bytes:
+        return bytes(self.memory[b * self.block_bytes:(b + 1) * self.block_bytes])
+
+    def fill(self, blocks: range | list[int] | tuple[int, ...]) -> None:
+        for b in blocks:
+            self.memory[b * self.block_bytes:(b + 1) * self.block_bytes] = pattern(self.agent, b, self.block_bytes)
+
+    # --- the protocol ---------------------------------------------------------------------------
+
+    def bind(self, submit: Submit, clock: Clock) -> None:
+        self._submit, self._clock = submit, clock
+
+    def _emit(self, ev: object) -> None:
+        assert self._submit is not None, "bind() first"
+        self._submit(ev)  # type: ignore[arg-type]
+
+    def rank_info(self) -> RankInfo:
+        layout = msgspec.msgpack.encode(_Layout(self.num_blocks, self.block_bytes))
+        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout)
+
+    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+        ranks: dict[int, str] = {}
+        for info in reply.ranks:
+            if info.agent not in self.network.agents or info.agent in self.network.dead:
+                raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
+            ranks[info.tp_rank] = info.agent
+        self.peers[key] = ranks
+
+    def drop_peer(self, key: EngineKey) -> None:
+        self.peers.pop(key, None)
+
+    def post_read(self, cmd: PostRead) -> None:
+        src = cmd.source
+        remote = self.peers.get((cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
+        if remote is None:
+            raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
+        peer = self.network.agents[remote]
+        if any(not 0 <= b < self.num_blocks for b in cmd.local_blocks):
+            raise TransportError(f"local block out of range 0..{self.num_blocks - 1}")
+        if any(not 0 <= b < peer.num_blocks for b in cmd.remote_blocks):
+            raise TransportError(f"remote block out of range 0..{peer.num_blocks - 1}")
+        rlen, llen = peer.block_bytes // src.remote_slices, self.block_bytes // src.local_slices
+        if rlen != llen:
+            raise TransportError(f"slice sizes differ: remote {rlen} bytes, local {llen} bytes")
+        key = (cmd.request_id, src.pp_rank, src.tp_rank)
+        if key in self.reads:
+            raise TransportError(f"read {key} is already in flight")
+        script = self.network.read_scripts.pop(key, self.network.default_read)
+        self.reads[key] = _Read(cmd, remote, script, (src.local_slice * llen, llen), (src.remote_slice * rlen, rlen))
+
+    def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
+        read = self.reads.get((request_id, pp_rank, tp_rank))
+        if read is not None:
+            read.cancelled = True
+
+    def send(self, key: EngineKey, tp_rank: int, message: NotifyMessage) -> None:
+        remote = self.peers.get(key, {}).get(tp_rank)
+        if remote is None:
+            raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
+        self.network.deliver(self.agent, remote, notify_codec.encode(message), message.request_id)
+        self.sent.append((remote, message))
+
+    def progress(self) -> None:
+        now = self._clock()
+        for key, read in list(self.reads.items()):
+            rid, pp, tp = key
+            failure: tuple[HandleFailure, str] | None = None
+            if read.cancelled:
+                failure = (HandleFailure.CANCELLED, "")
+            elif read.remote in self.network.dead:
+                failure = (HandleFailure.DISCONNECTED, f"{read.remote} went away")
+            elif read.polls > 0 or read.script.end == "hang":
+                read.polls -= 1
+                continue
+            elif read.script.end == "err":
+                failure = (HandleFailure.ERR, "transfer reported ERR")
+            elif read.script.end == "raise":
+                failure = (HandleFailure.RAISED, "polling the transfer raised")
+            del self.reads[key]
+            if failure is None:
+                self._complete(read)
+                self._emit(HandleDone(source=Source.TRANSFER, t_ns=now, request_id=rid, pp_rank=pp, tp_rank=tp))
+            else:
+                self._emit(HandleFailed(source=Source.TRANSFER, t_ns=now, request_id=rid, pp_rank=pp, tp_rank=tp,
+                                        why=failure[0], detail=failure[1]))
+        for _ in range(len(self.inbox)):
+            item = self.inbox.popleft()
+            delay, sender, raw = item
+            assert isinstance(delay, int) and isinstance(sender, str) and isinstance(raw, bytes)
+            if delay > 0:
+                item[0] = delay - 1
+                self.inbox.append(item)
+                continue
+            self._emit(notification_event(raw, sender=sender, source=Source.NOTIFY, t_ns=now))
+
+    def _complete(self, read: _Read) -> None:
+        """Copy the bytes and, only now that they are in place, deliver the notification."""
+        peer = self.network.agents[read.remote]
+        (loff, length), (roff, _) = read.local_range, read.remote_range
+        for lb, rb in zip(read.cmd.local_blocks, read.cmd.remote_blocks, strict=True):
+            src = rb * peer.block_bytes + roff
+            dst = lb * self.block_bytes + loff
+            self.memory[dst:dst + length] = peer.memory[src:src + length]
+        note = read.cmd.notification
+        self.network.deliver(self.agent, read.remote, notify_codec.encode(note), note.request_id)
+        self.sent.append((read.remote, note))
+
+    def close(self) -> None:
+        for rid, pp, tp in list(self.reads):
+            self.cancel_read(rid, pp, tp)
+        self.progress()
+
+
+class SimHandshaker:
+    """Answers handshakes from the network's listeners after ``network.handshake_polls`` calls."""
+
+    def __init__(self, network: SimNetwork) -> None:
+        self.network = network
+        self.pending: list[list[object]] = []  # [polls left, cmd]
+        self._submit: Submit | None = None
+        self._clock: Clock = lambda: 0
+
+    def bind(self, submit: Submit, clock: Clock) -> None:
+        self._submit, self._clock = submit, clock
+
+    def start(self, cmd: StartHandshake) -> None:
+        self.pending.append([self.network.handshake_polls, cmd])
+
+    def progress(self) -> None:
+        assert self._submit is not None, "bind() first"
+        keep: list[list[object]] = []
+        for item in self.pending:
+            polls, cmd = item
+            assert isinstance(polls, int) and isinstance(cmd, StartHandshake)
+            where = (cmd.host, cmd.port)
+            fault = self.network.handshake_faults.get(where)
+            if polls > 0 or fault == "hang":
+                item[0] = polls - 1
+                keep.append(item)
+                continue
+            common = {"source": Source.HANDSHAKE, "t_ns": self._clock(), "engine_id": cmd.engine_id,
+                      "pp_rank": cmd.pp_rank, "attempt": cmd.attempt}
+            reply_for = self.network.listeners.get(where)
+            if reply_for is None or fault == "refuse":
+                self._submit(HandshakeFailed(**common, error=f"connection refused by {cmd.host}:{cmd.port}"))
+            else:
+                self._submit(HandshakeDone(**common, reply=reply_for(cmd.pp_rank)))
+        self.pending = keep
+
+    def close(self) -> None:
+        self.pending.clear()
