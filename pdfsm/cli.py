@@ -1,0 +1,77 @@
+"""The ``pdfsm`` command: diagrams of the tables, the demo, and (with the file log) replay."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from pdfsm import diagram
+
+__all__ = ["main"]
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    if args.markdown:
+        text = diagram.markdown()
+    else:
+        if args.machine is None:
+            print("pdfsm diagram: name a machine (consumer, producer, engine) or pass --markdown", file=sys.stderr)
+            return 2
+        table = diagram.TABLES[args.machine]
+        text = diagram.mermaid(table) if args.format == "mermaid" else diagram.dot(table)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pdfsm.demo import run
+
+    return run(args)
+
+
+def configure_logging(level: str) -> None:
+    """structlog to stderr at ``level``: the library logs, the application decides where."""
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdfsm", description=__doc__)
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                        help="structlog level on stderr (debug: one line per transition)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("diagram", help="render a machine's transition table")
+    d.add_argument("machine", nargs="?", choices=sorted(diagram.TABLES))
+    d.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
+    d.add_argument("--markdown", action="store_true", help="the whole docs/state-machines.md page")
+    d.add_argument("-o", "--output", help="write to this file instead of stdout")
+    d.set_defaults(func=_diagram)
+
+    from pdfsm.demo import add_arguments
+
+    demo = sub.add_parser("demo", help="run a prefill engine and a decode engine and replay their logs")
+    add_arguments(demo)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
