@@ -28,7 +28,7 @@ import structlog
 
 from pdfsm import consumer, engine, producer
 from pdfsm.commands import Command
-from pdfsm.errors import LocalProtocolError, RemoteProtocolError
+from pdfsm.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
 from pdfsm.events import (
     CONSUMER,
     ENGINE,
@@ -147,7 +147,13 @@ class Core:
     # --- applying ------------------------------------------------------------------------------
 
     def submit(self, ev: Event) -> None:
-        """Queue an event from any thread; :meth:`pump` applies it on the owner thread."""
+        """Queue an event from any thread; :meth:`pump` applies it on the owner thread.
+
+        Derived events (``DERIVED``) are the core's own conclusions and are refused here:
+        an adapter that could submit a ``Reported`` or an ``EngineReady`` could forge them.
+        """
+        if ev.DERIVED:
+            raise InvalidInput("event", f"{type(ev).__name__} is derived by the core, never submitted")
         self.log.submit(ev)
 
     def pump(self) -> int:

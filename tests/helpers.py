@@ -1,0 +1,75 @@
+"""Small builders shared by the tests: a core, events with defaults, a connected engine."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pdfsm.core import Core
+from pdfsm.events import (
+    Collect,
+    CoreConfig,
+    Event,
+    HandleDone,
+    HandshakeDone,
+    HandshakeReply,
+    PeerAdded,
+    RankInfo,
+    ReadRequested,
+    Tick,
+)
+from pdfsm.log import EventLog, MemorySink
+
+E = TypeVar("E", bound=Event)
+
+
+def make_core(*, strict: bool = True, sink: MemorySink | None = None, **config: Any) -> Core:
+    cfg = {"engine_id": "D", "compat_hash": "h", "strict": strict, **config}
+    return Core(CoreConfig(**cfg), EventLog(sink=sink) if sink is not None else None)
+
+
+def ev(cls: type[E], t: int = 0, source: str = "test", **fields: Any) -> E:
+    return cls(source=source, t_ns=t, **fields)
+
+
+def reply(engine_id: str = "P", *, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, compat_hash: str = "h",
+          ranks: tuple[RankInfo, ...] | None = None, **kw: Any) -> HandshakeReply:
+    if ranks is None:
+        ranks = tuple(RankInfo(pp_rank=pp_rank, tp_rank=t, agent=f"{engine_id}-{pp_rank}-{t}") for t in range(tp_size))
+    return HandshakeReply(engine_id=engine_id, compat_hash=compat_hash, tp_size=tp_size, pp_size=pp_size,
+                          ranks=ranks, **kw)
+
+
+def read(rid: str, *, remote: str | None = None, engine: str = "P", blocks: tuple[int, ...] = (1, 2),
+         remote_blocks: tuple[int, ...] | None = None, t: int = 0, **kw: Any) -> ReadRequested:
+    return ev(ReadRequested, t, request_id=rid, remote_request_id=remote or f"p-{rid}", engine_id=engine,
+              local_blocks=blocks, remote_blocks=remote_blocks if remote_blocks is not None else blocks, **kw)
+
+
+def handshake(core: Core, engine: str = "P", *, pp_rank: int = 0, tp_size: int = 1, attempt: int = 1,
+              t: int = 0) -> None:
+    """Complete a pending handshake with a valid reply, then the transport adds the peer."""
+    core.apply(ev(HandshakeDone, t, engine_id=engine, pp_rank=pp_rank, attempt=attempt,
+                  reply=reply(engine, tp_size=tp_size, pp_rank=pp_rank, mla=core.config.mla,
+                              block_size=core.config.block_size)))
+    core.apply(ev(PeerAdded, t, engine_id=engine, pp_rank=pp_rank, attempt=attempt))
+
+
+def connected(core: Core, engine: str = "P", *, remote_tp: int = 1) -> Core:
+    """Connect ``engine`` by running one request through it to the end."""
+    core.apply(read("warm-up", engine=engine, remote_tp=remote_tp))
+    handshake(core, engine, tp_size=remote_tp)
+    plan = core.plan(remote_tp, 1)
+    for src in plan.sources:
+        core.apply(ev(HandleDone, request_id="warm-up", pp_rank=src.pp_rank, tp_rank=src.tp_rank))
+    core.apply(ev(Collect, step=0))
+    core.take_commands()
+    return core
+
+
+def tick(core: Core, t: int) -> None:
+    core.apply(ev(Tick, t))
+
+
+def collect(core: Core, t: int = 0, step: int = 1) -> list[Any]:
+    core.apply(ev(Collect, t, step=step))
+    return core.take_commands()
