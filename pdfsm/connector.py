@@ -340,7 +340,7 @@ class Connector:
                                          pp_rank=cmd.pp_rank, attempt=cmd.attempt))
                 elif isinstance(cmd, DropPeer):
                     self.transport.drop_peer((cmd.engine_id, cmd.pp_rank))
-            except Exception:  # a transport bug must not take the engine down; it is logged
+            except Exception:  # noqa: BLE001 - a transport bug must not take the engine down; it is logged
                 _log.exception("command failed", command=type(cmd).__name__)
 
     def _send(self, engine_id: str, pp_rank: int, tp_rank: int, note: Notification) -> None:

@@ -164,8 +164,9 @@ def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
 
 def _last_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
     """The common case: the event completes the only read still in flight."""
-    bit = _bit(m, ev)
-    return bit != 0 and m.pending == bit
+    plan = m.plan
+    i = plan.position.get((ev.pp_rank, ev.tp_rank)) if plan is not None else None
+    return i is not None and m.pending == 1 << i
 
 
 def _not_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
@@ -228,8 +229,13 @@ def _post_reads(m: ConsumerRequest, core: Core) -> None:
 
 
 def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    _accept(m, ev, core)
-    _arm_deadline(m, ev, core)
+    # _accept and _arm_deadline, spelt out: this runs for nearly every request. Guards before
+    # it computed (and cached) the plan, so it is there.
+    m.req = ev
+    m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
+    d = ev.deadline
+    m.deadline = d.t_ns if d is not None else ev.t_ns + core.config.read_timeout_ns
+    core.deadlines.arm(m.request_id, m.deadline)
     _post_reads(m, core)
 
 
@@ -366,6 +372,23 @@ def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core)
     core.ready(m)
 
 
+def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    """The last read completed: _last_stopped for a HandleDone, spelt out for the common case."""
+    plan = m.plan
+    assert plan is not None
+    m.done |= m.pending
+    m.pending = 0
+    for e in m.engines:
+        e.readers -= 1
+    m.engines = ()
+    if m.deadline:
+        core.deadlines.disarm(m.request_id, m.deadline)
+        m.deadline = 0
+    if m.done != plan.all_read or plan.notify_only:
+        _notify_unread(m, core)
+    core.ready(m)
+
+
 def _cancel_reads(m: ConsumerRequest, core: Core) -> None:
     assert m.plan is not None
     for i, src in enumerate(m.plan.sources):
@@ -481,7 +504,7 @@ TABLE: Final[Table] = Table(
         on(
             S.READING,
             HandleDone,
-            Go(S.NOTIFIED, _last_stopped, when=_last_in_flight),
+            Go(S.NOTIFIED, _read_done, when=_last_in_flight),
             _not_in_flight_illegal,
             Go(S.READING, _sibling_stopped),
         ),

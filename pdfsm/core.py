@@ -28,7 +28,7 @@ import structlog
 
 from pdfsm import consumer, engine, producer
 from pdfsm.commands import Command
-from pdfsm.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdfsm.errors import LocalProtocolError, RemoteProtocolError
 from pdfsm.events import (
     CONSUMER,
     ENGINE,
@@ -117,6 +117,10 @@ class Core:
         self._staged: OrderedDict[str, None] = OrderedDict()
         self._commands: list[Command] = []
         self._derived: list[Event] = []
+        # Bound methods, not wrappers: one Python frame less on every event (see benchmarks/apply.py).
+        self.submit: Final = self.log.submit  # any thread; pump() applies on the owner thread
+        self.emit: Final = self._commands.append  # actions: a command for the adapter
+        self.derive: Final = self._derived.append  # actions: an event the core applies next
         self._local = Layout(config.tp_size, config.pp_size, config.tp_rank, config.pp_rank)
         self.plans: Final[dict[tuple[int, int], ReadPlan]] = {}
         self.violations: Final[dict[Fault, int]] = {Fault.LOCAL: 0, Fault.REMOTE: 0}
@@ -146,16 +150,6 @@ class Core:
 
     # --- applying ------------------------------------------------------------------------------
 
-    def submit(self, ev: Event) -> None:
-        """Queue an event from any thread; :meth:`pump` applies it on the owner thread.
-
-        Derived events (``DERIVED``) are the core's own conclusions and are refused here:
-        an adapter that could submit a ``Reported`` or an ``EngineReady`` could forge them.
-        """
-        if ev.DERIVED:
-            raise InvalidInput("event", f"{type(ev).__name__} is derived by the core, never submitted")
-        self.log.submit(ev)
-
     def pump(self) -> int:
         """Apply every queued event, in order, then flush the log. Owner thread only."""
         inbox, n = self.log.inbox, 0
@@ -163,28 +157,36 @@ class Core:
         if dropped:
             self.apply(Dropped(source=Source.CORE, t_ns=self._last_t, count=sum(dropped.values()),
                                by_source=dict(dropped)))
+        apply_one, derived = self._apply_one, self._derived
         try:
-            apply = self.apply
             while inbox:
-                apply(inbox.popleft())
+                seq = apply_one(inbox.popleft(), None)
                 n += 1
+                if derived:  # inline rather than through apply(): this loop runs for every event
+                    self._cascade(seq)
         finally:
             self.log.flush()
         return n
 
     def apply(self, ev: Event) -> int:
-        """Apply one event and everything it derives; returns the event's sequence number."""
+        """Apply one event and everything it derives, now; returns the event's sequence number.
+
+        Owner thread only: tests, replay and adapters that own the core call this directly.
+        """
         seq = self._apply_one(ev, None)
         if self._derived:
-            derived = self._derived
-            try:
-                i = 0
-                while i < len(derived):
-                    self._apply_one(derived[i], seq)
-                    i += 1
-            finally:
-                derived.clear()
+            self._cascade(seq)
         return seq
+
+    def _cascade(self, root: int) -> None:
+        derived = self._derived
+        try:
+            i = 0
+            while i < len(derived):
+                self._apply_one(derived[i], root)
+                i += 1
+        finally:
+            derived.clear()
 
     def _apply_one(self, ev: Event, cause: int | None) -> int:
         route = self._routes.get(type(ev))
@@ -196,7 +198,7 @@ class Core:
         stored = m is not None
         if m is None:
             m = make(key)
-            if remembered:
+            if remembered:  # late news for a request already finished: classify, do not restart
                 was = remembered.get(key)
                 if was is not None:
                     m.state = was
@@ -217,7 +219,9 @@ class Core:
                 if stored:
                     del machines[key]
                 if after in REMEMBERED:
-                    self._remember(target, key, after)
+                    remembered[key] = after
+                    if len(remembered) > self.config.tombstones:
+                        remembered.popitem(last=False)
             elif not stored:
                 machines[key] = m
             if opt.fault is None:
@@ -270,12 +274,6 @@ class Core:
             if key in self.producers:
                 self.derive(LeaseExpired(source=Source.CORE, t_ns=now, request_id=key))
 
-    def _remember(self, target: int, key: Any, state: State) -> None:
-        remembered = self._remembered[target]
-        remembered[key] = state
-        if len(remembered) > self.config.tombstones:
-            remembered.popitem(last=False)
-
     # --- violations -----------------------------------------------------------------------------
 
     def _violation(self, row: tuple[Any, ...], target: int, key: Any, live: Any) -> None:
@@ -301,12 +299,6 @@ class Core:
                                               pp_rank=key[1], reason=why))
 
     # --- what actions may ask of the core ----------------------------------------------------------
-
-    def emit(self, cmd: Command) -> None:
-        self._commands.append(cmd)
-
-    def derive(self, ev: Event) -> None:
-        self._derived.append(ev)
 
     def plan(self, remote_tp: int, remote_pp: int) -> ReadPlan:
         """The read plan against a producer layout; raises TopologyError if there is none."""
@@ -367,7 +359,8 @@ class Core:
 
     def take_commands(self) -> list[Command]:
         """Commands emitted since the last call, in order. Owner thread only."""
-        cmds, self._commands = self._commands, []
+        cmds = self._commands[:]
+        self._commands.clear()  # the same list: ``emit`` is bound to it
         return cmds
 
     def next_deadline(self) -> int | None:

@@ -95,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
             started += 1
             rid = f"req-{started}"
             p_blocks = [free_p.pop(rng.randrange(len(free_p))) for _ in range(n)]
-            params = [w.request_finished(rid, p_blocks) for w in prefill.workers][0]
+            params = KVTransferParams(remote_engine_id="", remote_request_id="")
+            for w in prefill.workers:  # every producer rank holds its part of the blocks
+                params = w.request_finished(rid, p_blocks)
             sending[rid] = (p_blocks, set(range(prefill.tp)))
             d_blocks = [free_d.pop(rng.randrange(len(free_d))) for _ in range(n)]
             for w in decode.workers:

@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 
 import msgspec
 
+from pdfsm.errors import InvalidInput
 from pdfsm.events import Event, EventType
 from pdfsm.fsm import Fault
 
@@ -144,7 +145,13 @@ class EventLog:
     # --- any thread ----------------------------------------------------------------------------
 
     def submit(self, ev: Event) -> None:
-        """Queue an event for the owner. Thread-safe; blocks or counts only when the inbox is full."""
+        """Queue an event for the owner. Thread-safe; blocks or counts only when the inbox is full.
+
+        Derived events (``DERIVED``) are the core's own conclusions and are refused: an adapter
+        that could submit a ``Reported`` or an ``EngineReady`` could forge them.
+        """
+        if ev.DERIVED:
+            raise InvalidInput("event", f"{type(ev).__name__} is derived by the core, never submitted")
         if len(self.inbox) >= self.inbox_limit and not self._make_room(ev):
             return
         self.inbox.append(ev)

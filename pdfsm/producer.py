@@ -73,7 +73,7 @@ class ProducerRequest:
 def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
     """The common case: a well-formed, new part that completes the count."""
     part, of = ev.part, ev.of
-    return (0 <= part < of and (m.of == 0 or of == m.of) and not (m.parts >> part) & 1
+    return (0 <= part < of and m.of in (0, of) and not (m.parts >> part) & 1
             and m.parts | (1 << part) == (1 << of) - 1)
 
 
@@ -86,7 +86,7 @@ def _malformed(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool
 
 
 def _disagrees_on_count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
-    return m.of != 0 and ev.of != m.of
+    return m.of not in (0, ev.of)
 
 
 def _duplicate(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
@@ -145,7 +145,10 @@ def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     m.of = ev.of
     m.parts |= 1 << ev.part
-    _release(m, False, ev.t_ns, core)
+    core.leases.disarm(m.request_id, m.deadline)  # _release, spelt out: once per request
+    m.deadline = 0
+    core.emit(FinishedSending(request_id=m.request_id, block_ids=m.block_ids))
+    core.finished(m, "released", ev.t_ns)
 
 
 def _extend(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:

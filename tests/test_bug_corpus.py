@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from helpers import collect, connected, ev, make_core, read, reply, tick
 
-from helpers import collect, connected, ev, handshake, make_core, read, reply, tick
 from pdfsm.commands import CancelRead, DropPeer, FinishedSending, HandOff, PostRead, SendNotification, StartHandshake
 from pdfsm.connector import Connector
 from pdfsm.errors import EngineIdMismatch, LocalProtocolError, RemoteProtocolError, UnsupportedPP
@@ -87,7 +87,7 @@ def test_vllm_pr_36958_mla_notifications_carry_the_producer_request_id() -> None
     prod.apply(ev(NotificationReceived, request_id="decode-local-7", part=0, of=1))
     tick(prod, 100)
     assert prod.violations[Fault.REMOTE] == 1
-    assert "never registered" in [r for r in prod.log.records() if r.fault][0].reason
+    assert "never registered" in next(r for r in prod.log.records() if r.fault).reason
 
 
 def test_vllm_pr_40364_handshake_failure_honours_the_recompute_policy() -> None:
@@ -227,7 +227,7 @@ def _sim_pair(policy: str = "recompute") -> tuple[SimNetwork, Connector, Connect
     prod.fill(range(64))
     p = Connector(CoreConfig(engine_id="P", compat_hash="h"), prod, SimHandshaker(net), clock=lambda: clock[0],
                   port=9)
-    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(prod.rank_info(),)))  # type: ignore[misc]
+    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(prod.rank_info(),)))
     cons = SimTransport(net, "D-0")
     d = Connector(CoreConfig(engine_id="D", compat_hash="h", policy=policy), cons, SimHandshaker(net),  # type: ignore[arg-type]
                   clock=lambda: clock[0])
@@ -254,7 +254,7 @@ def test_vllm_pr_28120_an_exception_from_polling_fails_the_handle_not_the_worker
 
 
 def test_vllm_pr_57570_notify_only_request_is_never_reported_as_received() -> None:
-    net, p, d, _ = _sim_pair()
+    _, p, d, _ = _sim_pair()
     params = p.request_finished("p1", [1, 2])
     d.load("d1", [], params)  # the whole prompt was a local prefix hit
     seen: set[str] = set()

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from helpers import collect, connected, ev, handshake, make_core, read, reply, tick
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import collect, connected, ev, handshake, make_core, read, reply, tick
 from pdfsm import consumer, engine, producer
 from pdfsm.core import Core
 from pdfsm.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -164,7 +164,7 @@ def _event(etype: type, data: st.DataObject) -> Any:
         return ev(etype, t, request_id=PID)
     if etype is StagedDropped:
         return ev(etype, t, request_id=PID, reason="test")
-    engine_ids = {"engine_id": "P", "pp_rank": 0}
+    engine_ids: dict[str, Any] = {"engine_id": "P", "pp_rank": 0}
     if etype is EngineWanted:  # derived: only ever names a request that waits for this engine
         return ev(etype, t, **engine_ids, request_id=WAITER, host="h", port=1)
     if etype is HandshakeDone:

@@ -298,13 +298,14 @@ class SimHandshaker:
                 item[0] = polls - 1
                 keep.append(item)
                 continue
-            common = {"source": Source.HANDSHAKE, "t_ns": self._clock(), "engine_id": cmd.engine_id,
-                      "pp_rank": cmd.pp_rank, "attempt": cmd.attempt}
+            t, eid, pp, attempt = self._clock(), cmd.engine_id, cmd.pp_rank, cmd.attempt
             reply_for = self.network.listeners.get(where)
             if reply_for is None or fault == "refuse":
-                self._submit(HandshakeFailed(**common, error=f"connection refused by {cmd.host}:{cmd.port}"))
+                self._submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=t, engine_id=eid, pp_rank=pp,
+                                             attempt=attempt, error=f"connection refused by {cmd.host}:{cmd.port}"))
             else:
-                self._submit(HandshakeDone(**common, reply=reply_for(cmd.pp_rank)))
+                self._submit(HandshakeDone(source=Source.HANDSHAKE, t_ns=t, engine_id=eid, pp_rank=pp,
+                                           attempt=attempt, reply=reply_for(cmd.pp_rank)))
         self.pending = keep
 
     def close(self) -> None:

@@ -1,0 +1,239 @@
+"""The scheduler-facing API over the simulated transport: validation, every path, each report once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import reply
+
+from pdfsm.commands import HandOff
+from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
+from pdfsm.errors import InvalidInput
+from pdfsm.events import CoreConfig
+from pdfsm.topology import Layout, read_plan
+from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
+
+
+class World:
+    """A producer engine and a consumer engine (each one Connector per TP rank) on one network."""
+
+    def __init__(self, *, p_tp: int = 1, d_tp: int = 1, mla: bool = False, policy: str = "recompute",
+                 lease_ns: int = 10**12, read_timeout_ns: int = 10**12, pp: int = 1, d_pp_support: bool = True) -> None:
+        self.net, self.now = SimNetwork(), 0
+        self.mla, self.p_tp, self.d_tp = mla, p_tp, d_tp
+
+        def clock() -> int:
+            return self.now
+
+        bb = 256
+        pbb = bb // (1 if mla else p_tp)
+        self.pt = [[SimTransport(self.net, f"P-pp{p}-tp{t}", pp_rank=p, tp_rank=t, block_bytes=pbb)
+                    for t in range(p_tp)] for p in range(pp)]
+        for ranks in self.pt:
+            for t in ranks:
+                t.fill(range(64))
+        self.p = [Connector(CoreConfig(engine_id="P", tp_rank=t, tp_size=p_tp, pp_size=pp, mla=mla, compat_hash="h",
+                                       lease_ns=lease_ns), self.pt[0][t], SimHandshaker(self.net), clock=clock, port=9)
+                  for t in range(p_tp)]
+        self.net.serve("127.0.0.1", 9, lambda p: reply(
+            "P", tp_size=p_tp, pp_size=pp, mla=mla, ranks=tuple(t.rank_info() for t in self.pt[p])))
+        self.dt = [SimTransport(self.net, f"D-tp{t}", tp_rank=t, block_bytes=bb // (1 if mla else d_tp),
+                                supports_pp=d_pp_support) for t in range(d_tp)]
+        self.d = [Connector(CoreConfig(engine_id="D", tp_rank=t, tp_size=d_tp, mla=mla, compat_hash="h",
+                                       policy=policy, read_timeout_ns=read_timeout_ns),  # type: ignore[arg-type]
+                            self.dt[t], SimHandshaker(self.net), clock=clock) for t in range(d_tp)]
+        self.pp = pp
+        self.failed: list[HandOff] = []
+
+    def prefill(self, rid: str, blocks: list[int]) -> KVTransferParams:
+        params = [p.request_finished(rid, blocks) for p in self.p]  # every rank holds its part
+        return params[0]
+
+    def run(self, steps: int = 8) -> tuple[dict[str, int], dict[str, int]]:
+        """Step everything; count how often each request is reported on each side."""
+        sent: dict[str, int] = {}
+        recv: dict[str, int] = {}
+        for _ in range(steps):
+            self.now += 1_000
+            for d in self.d:
+                for rid in d.get_finished()[1]:
+                    recv[rid] = recv.get(rid, 0) + 1
+                self.failed.extend(d.last.failed)
+            for p in self.p:
+                for rid in p.get_finished()[0]:
+                    sent[rid] = sent.get(rid, 0) + 1
+        return sent, recv
+
+    def verify(self, d_rank: int, local: list[int], remote: list[int]) -> bool:
+        t = self.dt[d_rank]
+        plan = read_plan(Layout(self.d_tp, 1, d_rank), Layout(self.p_tp, self.pp), self.mla)
+        for lb, rb in zip(local, remote, strict=True):
+            want = bytearray(t.block_bytes)
+            for src in plan.sources:
+                p = self.pt[src.pp_rank][src.tp_rank]
+                chunk = p.block_bytes // src.remote_slices
+                data = pattern(p.agent, rb, p.block_bytes)[src.remote_slice * chunk:(src.remote_slice + 1) * chunk]
+                at = src.local_slice * (t.block_bytes // src.local_slices)
+                want[at:at + len(data)] = data
+            if self.pp == 1 and t.block(lb) != bytes(want):
+                return False
+        return True
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "mla"), [(1, 1, False), (2, 1, False), (1, 2, False), (4, 2, False),
+                                                   (2, 4, False), (4, 1, True), (1, 2, True)])
+def test_blocks_move_and_every_request_is_reported_once(p_tp: int, d_tp: int, mla: bool) -> None:
+    w = World(p_tp=p_tp, d_tp=d_tp, mla=mla)
+    params = w.prefill("p1", [3, 9, 4])
+    for d in w.d:
+        d.load("d1", [10, 11, 12], params)
+    sent, recv = w.run()
+    assert recv == {"d1": d_tp} and sent == {"p1": p_tp}
+    assert all(w.verify(r, [10, 11, 12], [3, 9, 4]) for r in range(d_tp))
+    assert all(not d.get_block_ids_with_load_errors() for d in w.d)
+
+
+def test_partial_prefix_hit_reads_the_last_remote_blocks() -> None:
+    w = World()
+    params = w.prefill("p1", [1, 2, 3])
+    w.d[0].load("d1", [20], params)
+    _, recv = w.run()
+    assert recv == {"d1": 1} and w.verify(0, [20], [3])
+
+
+def test_failure_policy_fail_is_reported_with_invalid_blocks_in_the_same_step() -> None:
+    w = World(policy="fail")
+    params = w.prefill("p1", [1, 2])
+    w.net.script("d1", 0, 0, ReadScript(polls=1, end="err"))
+    w.d[0].load("d1", [5, 6], params)
+    for _ in range(6):
+        w.now += 1
+        _, recv = w.d[0].get_finished()
+        if recv:
+            break
+    assert recv == {"d1"}
+    assert w.d[0].get_block_ids_with_load_errors() == {5, 6}
+    assert w.d[0].last.failed[0].policy == "fail"
+    sent, _ = w.run()
+    assert sent == {"p1": 1}  # the producer was told to release after the failed read
+
+
+@pytest.mark.parametrize("stage", ["handshaking", "reading", "notified"])
+def test_abort_at_every_stage_reports_once_and_frees_nothing_early(stage: str) -> None:
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    w.net.script("d1", 0, 0, ReadScript(polls=3))
+    d = w.d[0]
+    d.load("d1", [5, 6], params)
+    if stage == "reading":
+        for _ in range(3):
+            d.step()
+        assert d.core.consumers["d1"].state.name == "READING"
+    if stage == "notified":
+        for _ in range(8):
+            d.step()
+        assert d.core.consumers["d1"].state.name == "NOTIFIED"
+    d.abort("d1")
+    d.abort("d1")  # twice: harmless
+    _, recv = w.run()
+    assert recv == {"d1": 1}
+    assert not w.dt[0].reads  # no read left in flight when it was reported
+
+
+def test_notify_only_request_tells_the_producer_and_is_not_reported() -> None:
+    w = World(p_tp=2, mla=True)
+    params = w.prefill("p1", [1])
+    w.d[0].load("d1", [], params)
+    sent, recv = w.run()
+    assert recv == {} and sent == {"p1": 2}
+
+
+def test_lease_releases_blocks_the_consumer_never_read() -> None:
+    w = World(lease_ns=5_000)
+    w.prefill("p1", [1, 2])
+    sent, _ = w.run(steps=8)
+    assert sent == {"p1": 1}
+    assert w.p[0].last.step >= 1
+
+
+def test_read_deadline_cancels_fails_and_releases_the_producer() -> None:
+    w = World(read_timeout_ns=5_000)
+    params = w.prefill("p1", [1, 2])
+    w.net.script("d1", 0, 0, ReadScript(end="hang"))
+    w.d[0].load("d1", [5, 6], params)
+    sent, recv = w.run(steps=10)
+    assert recv == {"d1": 1} and sent == {"p1": 1}
+    (failed,) = w.failed
+    assert "deadline passed" in failed.reason and failed.invalid_blocks == (5, 6)
+
+
+def test_peer_killed_mid_transfer_fails_the_request_with_its_policy() -> None:
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    w.net.script("d1", 0, 0, ReadScript(polls=2))
+    w.d[0].load("d1", [5, 6], params)
+    for _ in range(3):
+        w.d[0].step()
+    w.net.kill("P-pp0-tp0")
+    _, recv = w.run()
+    assert recv == {"d1": 1}
+    (failed,) = w.failed
+    assert "disconnected" in failed.reason and failed.policy == "recompute"
+
+
+def test_pp_with_and_without_transport_support() -> None:
+    w = World(pp=2)
+    params = w.prefill("p1", [1])
+    w.d[0].load("d1", [5], params)
+    _, recv = w.run()
+    assert recv == {"d1": 1} and not w.d[0].get_block_ids_with_load_errors()
+    w2 = World(pp=2, d_pp_support=False)
+    params = w2.prefill("p1", [1])
+    w2.d[0].load("d1", [5], params)
+    assert w2.d[0].config.supports_pp is False
+    _, recv = w2.run(steps=1)
+    assert recv == {"d1": 1}
+    assert "pipeline parallelism" in w2.d[0].last.failed[0].reason
+
+
+def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    d = w.d[0]
+    d.load("good", [5, 6], params)
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: d.load("", [1], params), "request_id"),
+        (lambda: d.load("x", [-1], params), "local_block_ids"),
+        (lambda: d.load("x", [1, 2, 3], params), "local_block_ids"),
+        (lambda: d.load("x", [1], {"remote_engine_id": "P"}), "kv_transfer_params"),
+        (lambda: d.load("x", [1], {**params.to_dict(), "remote_tp_size": 0}), "remote_tp_size"),
+        (lambda: w.p[0].request_finished("y", [1.5]), "block_ids"),  # type: ignore[list-item]
+        (lambda: w.p[0].request_finished("y", [1], lease_ns=0), "lease_ns"),
+        (lambda: d.heartbeat(params, 0), "extend_ns"),
+    ]
+    for call, field in cases:
+        with pytest.raises(InvalidInput) as err:
+            call()
+        assert err.value.field == field
+    _, recv = w.run()
+    assert recv == {"good": 1}
+
+
+def test_start_load_kv_takes_a_whole_step_of_metadata() -> None:
+    w = World()
+    params = w.prefill("p1", [1])
+    w.d[0].start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((7,), params)}, aborted=("ghost",)))
+    _, recv = w.run()
+    assert recv == {"d1": 1}
+
+
+def test_heartbeat_extends_the_producer_lease() -> None:
+    w = World(lease_ns=3_000)
+    params = w.prefill("p1", [1])
+    w.prefill("warm", [2])
+    w.d[0].load("warm-d", [3], w.p[0].request_finished("warm2", [4]))  # connects the engine
+    w.run(steps=2)
+    assert w.d[0].heartbeat(params, 50_000) == 1
+    sent, _ = w.run(steps=5)
+    assert "p1" not in sent  # still held thanks to the heartbeat

@@ -1,0 +1,98 @@
+"""The event log: contiguous sequence numbers, many producer threads, bounded memory, explicit overflow."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import ev, make_core, read
+
+from pdfsm.core import Core
+from pdfsm.errors import InvalidInput
+from pdfsm.events import AbortRequested, CoreConfig, Dropped, Reported
+from pdfsm.log import EventLog, MemorySink, Outcome, Overflow, Record
+
+
+def test_records_are_contiguous_and_immutable() -> None:
+    core = make_core(strict=False)
+    for i in range(5):
+        core.apply(read(f"r{i}"))
+    seqs = [r.seq for r in core.log.records()]
+    assert seqs == list(range(len(seqs)))
+    rec = core.log.records()[1]
+    with pytest.raises(AttributeError):
+        rec.state = "X"  # type: ignore[misc]
+    assert Record.of(rec.row()) == rec
+
+
+def test_rejected_events_are_recorded_with_reason_and_fault() -> None:
+    core = make_core(strict=False)
+    core.apply(ev(AbortRequested, request_id="ghost"))
+    rec = core.log.records()[-1]
+    assert rec.outcome is Outcome.IGNORED and "nothing to abort" in rec.reason
+
+
+def test_derived_events_cannot_be_submitted() -> None:
+    core = make_core()
+    with pytest.raises(InvalidInput, match="derived"):
+        core.submit(ev(Reported, request_id="r"))
+
+
+def test_many_threads_submit_one_owner_applies_nothing_lost() -> None:
+    sink = MemorySink()
+    core = Core(CoreConfig(engine_id="D"), EventLog(window=64, sink=sink, inbox_limit=256))
+    threads, per_thread = 6, 500
+    stop = threading.Event()
+
+    def producer(k: int) -> None:
+        for i in range(per_thread):
+            core.submit(ev(AbortRequested, i, source=f"thread-{k}", request_id=f"{k}-{i}"))
+
+    workers = [threading.Thread(target=producer, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    while any(w.is_alive() for w in workers) or core.log.inbox:
+        core.pump()
+        if not core.log.inbox:
+            time.sleep(0.0005)
+    stop.set()
+    core.pump()
+    records = sink.records
+    assert [r.seq for r in records] == list(range(1 + threads * per_thread))
+    assert len(core.log) == 64 and core.log.evicted == len(records) - 64  # memory stays bounded
+    for k in range(threads):  # each producer's own order is kept
+        mine = [int(r.event.request_id.split("-")[1]) for r in records[1:]
+                if isinstance(r.event, AbortRequested) and r.event.source == f"thread-{k}"]
+        assert mine == list(range(per_thread))
+
+
+def test_count_policy_refuses_counts_and_records_the_loss() -> None:
+    core = Core(CoreConfig(engine_id="D"), EventLog(inbox_limit=3, overflow=Overflow.COUNT))
+    for i in range(5):
+        core.submit(ev(AbortRequested, i, source="xfer", request_id=f"r{i}"))
+    core.pump()
+    (rec,) = [r for r in core.log.records() if isinstance(r.event, Dropped)]
+    assert isinstance(rec.event, Dropped)
+    assert rec.event.count == 2 and rec.event.by_source == {"xfer": 2}
+    assert rec.fault is not None
+
+
+def test_block_policy_waits_for_the_owner() -> None:
+    core = Core(CoreConfig(engine_id="D"), EventLog(inbox_limit=2, overflow=Overflow.BLOCK))
+    done = threading.Event()
+
+    def producer() -> None:
+        for i in range(10):
+            core.submit(ev(AbortRequested, i, request_id=f"r{i}"))
+        done.set()
+
+    t = threading.Thread(target=producer)
+    t.start()
+    time.sleep(0.05)
+    assert not done.is_set() and len(core.log.inbox) == 2  # blocked, nothing dropped
+    while not done.is_set() or core.log.inbox:
+        core.pump()
+        time.sleep(0.001)
+    t.join()
+    assert sum(isinstance(r.event, AbortRequested) for r in core.log.records()) == 10
