@@ -75,6 +75,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: tuple[int, ...] = ()
     remote_tp_size: int = 1
     remote_pp_size: int = 1
+    lease_ns: int = 0  # how long the producer holds the blocks from request_finished (0: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -173,18 +174,27 @@ class Connector:
         cfg = self.config
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=rid, remote_host=self.host,
                                 remote_port=self.port, remote_block_ids=blocks, remote_tp_size=cfg.tp_size,
-                                remote_pp_size=cfg.pp_size)
+                                remote_pp_size=cfg.pp_size, lease_ns=lease_ns or cfg.lease_ns)
 
     # --- decode side ----------------------------------------------------------------------------
 
     def load(
-        self, request_id: str, local_block_ids: Sequence[int], params: KVTransferParams | Mapping[str, Any]
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        params: KVTransferParams | Mapping[str, Any],
+        *,
+        lease_start_ns: int | None = None,
     ) -> None:
         """Pull a request's KV blocks from the producer named in ``params``.
 
         ``local_block_ids`` may be shorter than the remote ones (a partial local prefix
         hit): the last remote blocks are read. Empty means notify-only: nothing is
         read, the producer is told it may release, and the request is not reported.
+
+        ``lease_start_ns`` is when this side learnt of the producer's lease (or last
+        heartbeated it), on this connector's clock; by default, now. Reads must complete
+        ``lease_margin_ns`` before that lease can have run out, or the request fails.
         """
         rid = _check_id("request_id", request_id)
         p = KVTransferParams.parse(params)
@@ -204,7 +214,8 @@ class Connector:
         self.core.submit(ReadRequested(
             source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid, remote_request_id=p.remote_request_id,
             engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
-            remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote))
+            remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
+            lease_start_ns=lease_start_ns))
 
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""

@@ -74,7 +74,7 @@ class ConsumerRequest:
     rest is what changes, and only the owner thread, through the table, changes it."""
 
     __slots__ = ("deadline", "done", "engines", "error", "outcome", "pending", "plan",
-                 "remote_fault", "req", "request_id", "state", "waiting")
+                 "remote_fault", "req", "request_id", "state", "waited", "waiting")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -83,6 +83,7 @@ class ConsumerRequest:
         self.plan: ReadPlan | None = None
         self.engines: tuple[RemoteEngine, ...] = ()  # engines read from, while reads are in flight
         self.waiting = 0  # bit p: still waiting for remote engine (engine_id, p)
+        self.waited = 0  # bit p: did wait for it (news from it may still be on its way)
         self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
         self.done = 0  # bit i: the read from plan.sources[i] completed
         self.deadline = 0  # 0: no deadline armed
@@ -105,12 +106,25 @@ class ConsumerRequest:
 # --- guards: read only ------------------------------------------------------------------------
 
 
+def deadline_of(ev: ReadRequested, core: Core) -> int:
+    """The request's deadline: its read timeout, or earlier, a margin before the producer's lease
+    ends, so no read completing after the producer may have reused the blocks is trusted."""
+    cfg = core.config
+    d = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + cfg.read_timeout_ns
+    if ev.lease_ns:
+        start = ev.t_ns if ev.lease_start_ns is None else ev.lease_start_ns
+        d = min(d, start + ev.lease_ns - cfg.lease_margin_ns)
+    return d
+
+
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """The common case: valid, blocks to read, one PP rank, its engine already connected."""
     blocks = ev.local_blocks
     if not blocks or ev.remote_pp != 1 or len(blocks) != len(ev.remote_blocks):
         return False
     if ev.deadline is not None and ev.deadline.clock != core.config.clock:
+        return False
+    if ev.lease_ns and deadline_of(ev, core) <= ev.t_ns:
         return False
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False
@@ -138,6 +152,15 @@ def _pp_unsupported_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Cor
     return not ev.local_blocks and _pp_unsupported(m, ev, core)
 
 
+def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return bool(ev.local_blocks) and deadline_of(ev, core) <= ev.t_ns
+
+
+def _past_deadline(m: ConsumerRequest, ev: EngineReady | HandleDone, core: Core) -> bool:
+    """Too late to trust a read: it could complete after the producer reused the blocks."""
+    return bool(m.deadline) and ev.t_ns >= m.deadline
+
+
 def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     plan = core.plan(ev.remote_tp, ev.remote_pp)
     return not all(core.engine_connected((ev.engine_id, pp)) for pp in plan.pp_ranks)
@@ -152,6 +175,13 @@ def _not_waiting_for_it(m: ConsumerRequest, ev: EngineReady | EngineFailed, core
     return m.req is None or ev.engine_id != m.req.engine_id or not (m.waiting >> ev.pp_rank) & 1
 
 
+def _stopped_waiting_for_it(m: ConsumerRequest, ev: EngineReady | EngineFailed, core: Core) -> bool:
+    """News from an engine the request waited for, derived before the request stopped waiting
+    (a sibling engine failed it earlier in the same cascade): stale, not a bug."""
+    return (m.req is not None and ev.engine_id == m.req.engine_id and bool((m.waited >> ev.pp_rank) & 1)
+            and not (m.waiting >> ev.pp_rank) & 1)
+
+
 def _other_engines_pending(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     return m.waiting & ~(1 << ev.pp_rank) != 0
 
@@ -163,10 +193,14 @@ def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
 
 
 def _last_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
-    """The common case: the event completes the only read still in flight."""
+    """The common case: the event completes the only read still in flight, in time."""
     plan = m.plan
     i = plan.position.get((ev.pp_rank, ev.tp_rank)) if plan is not None else None
-    return i is not None and m.pending == 1 << i
+    return i is not None and m.pending == 1 << i and (not m.deadline or ev.t_ns < m.deadline)
+
+
+def _past_deadline_with_siblings(m: ConsumerRequest, ev: HandleDone, core: Core) -> bool:
+    return _past_deadline(m, ev, core) and _siblings_in_flight(m, ev, core)
 
 
 def _not_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
@@ -189,8 +223,7 @@ def _accept(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 
 def _arm_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    d = ev.deadline
-    m.deadline = d.t_ns if d is not None else ev.t_ns + core.config.read_timeout_ns
+    m.deadline = deadline_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
 
 
@@ -233,8 +266,7 @@ def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     # it computed (and cached) the plan, so it is there.
     m.req = ev
     m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
-    d = ev.deadline
-    m.deadline = d.t_ns if d is not None else ev.t_ns + core.config.read_timeout_ns
+    m.deadline = deadline_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
     _post_reads(m, core)
 
@@ -247,6 +279,7 @@ def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
         if not core.engine_connected((ev.engine_id, pp)):
             m.waiting |= 1 << pp
             core.watch(m.request_id, (ev.engine_id, pp), ev.host, ev.port, ev.t_ns)
+    m.waited = m.waiting
 
 
 def _notify_unread(m: ConsumerRequest, core: Core) -> None:
@@ -296,8 +329,10 @@ def _fail_unread(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _accept(m, ev, core)
     if _pp_unsupported(m, ev, core):
         _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
-    else:
+    elif m.plan is None or len(ev.local_blocks) != len(ev.remote_blocks):
         _fail(m, "the two engines' layouts cannot exchange KV blocks", False)
+    else:
+        _fail(m, "the producer's lease may already have run out: its blocks cannot be trusted", True)
     core.ready(m)
 
 
@@ -336,6 +371,13 @@ def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None
     core.ready(m)
 
 
+def _abort_notify_only(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
+    """Nothing was read and the scheduler is not waiting for it: just stop; the producer's lease
+    releases its blocks."""
+    _stop_waiting(m, core)
+    core.finished(m, "dropped", ev.t_ns)
+
+
 def _quarantine_waiting(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
     _stop_waiting(m, core)
@@ -360,6 +402,24 @@ def _stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> None:
 
 def _sibling_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
     _stopped(m, ev)
+
+
+def _late(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    """A read completed after the deadline: it may have copied reused blocks. Not trusted."""
+    _stopped(m, ev)
+    _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline", True)
+
+
+def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    _late(m, ev, core)
+    _last_stopped(m, ev, core)
+
+
+def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    _fail(m, "deadline passed while waiting for the remote engine", True)
+    m.waiting &= ~(1 << ev.pp_rank)
+    _stop_waiting(m, core)
+    core.ready(m)
 
 
 def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
@@ -458,6 +518,7 @@ TABLE: Final[Table] = Table(
                reason="transport cannot serve pp_rank > 0"),
             Go(S.FAILED, _fail_unread, when=_bad_topology, fault=local,
                reason="the engines' layouts cannot exchange KV blocks"),
+            Go(S.FAILED, _fail_unread, when=_lease_over),
             Go(S.HANDSHAKING, _wait_for_engines, when=_engines_pending),
             Go(S.RELEASED, _notify_only_now, when=_nothing_to_read),
             Go(S.READING, _read_now),
@@ -474,6 +535,7 @@ TABLE: Final[Table] = Table(
             Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
             Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
             Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
+            Go(S.FAILED, _timed_out_ready, when=_past_deadline),
             Go(S.READING, _all_engines_ready),
         ),
         on(
@@ -484,7 +546,8 @@ TABLE: Final[Table] = Table(
             Go(S.FAILED, _engine_failed),
         ),
         on(S.HANDSHAKING, (HandleDone, HandleFailed), Illegal(local, "no read has been posted")),
-        on(S.HANDSHAKING, AbortRequested, Go(S.ABORTED, _aborted_waiting)),
+        on(S.HANDSHAKING, AbortRequested, Go(S.RELEASED, _abort_notify_only, when=_nothing_to_read),
+           Go(S.ABORTED, _aborted_waiting)),
         on(
             S.HANDSHAKING,
             DeadlinePassed,
@@ -497,15 +560,19 @@ TABLE: Final[Table] = Table(
             Go(S.RELEASED, _quarantine_notify_only, when=_nothing_to_read),
             Go(S.FAILED, _quarantine_waiting),
         ),
-        # Engine news reaches only requests that wait for it.
-        on((S.READING, *AFTER_READS, *STOPPING, S.RELEASED), (EngineReady, EngineFailed),
+        # Engine news reaches only requests that wait, or waited, for it.
+        on((S.READING, *AFTER_READS, *STOPPING), (EngineReady, EngineFailed),
+           Ignore("stale engine news: the request no longer waits for that engine", when=_stopped_waiting_for_it),
            Illegal(local, "engine news for a request that is not waiting for an engine")),
+        on(S.RELEASED, (EngineReady, EngineFailed), Illegal(local, "engine news for a released request")),
         # READING: the multi-handle join.
         on(
             S.READING,
             HandleDone,
             Go(S.NOTIFIED, _read_done, when=_last_in_flight),
             _not_in_flight_illegal,
+            Go(S.FAILING, _late, when=_past_deadline_with_siblings),
+            Go(S.FAILED, _late_last, when=_past_deadline),
             Go(S.READING, _sibling_stopped),
         ),
         on(

@@ -123,7 +123,8 @@ class Core:
         self.derive: Final = self._derived.append  # actions: an event the core applies next
         self._local = Layout(config.tp_size, config.pp_size, config.tp_rank, config.pp_rank)
         self.plans: Final[dict[tuple[int, int], ReadPlan]] = {}
-        self.violations: Final[dict[Fault, int]] = {Fault.LOCAL: 0, Fault.REMOTE: 0}
+        self.violations: Final[dict[Fault, int]] = {Fault.LOCAL: 0, Fault.REMOTE: 0}  # rejected or handled
+        self.rejections: Final[dict[Fault, int]] = {Fault.LOCAL: 0, Fault.REMOTE: 0}  # illegal events only
         self._routes = self._build_routes()
         self._last_t = t_ns
         self._logger = logger if logger is not None else structlog.get_logger("pdfsm")
@@ -285,6 +286,7 @@ class Core:
                            outcome=rec.outcome.name.lower())
         if rec.outcome is not Outcome.REJECTED:
             return
+        self.rejections[rec.fault] += 1
         if self.config.strict:
             self._derived.clear()
             error = LocalProtocolError if rec.fault is Fault.LOCAL else RemoteProtocolError

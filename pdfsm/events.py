@@ -120,6 +120,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     policy: Policy = "recompute"
     read_timeout_ns: int = 30_000_000_000
     lease_ns: int = 120_000_000_000
+    lease_margin_ns: int = 1_000_000_000  # a consumer stops trusting reads this long before the lease ends
     staging_ttl_ns: int = 30_000_000_000
     max_staged: int = 4096
     handshake_retry_ns: int = 1_000_000_000
@@ -208,6 +209,8 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     local_blocks: tuple[int, ...] = ()
     remote_blocks: tuple[int, ...] = ()
     deadline: Deadline | None = None
+    lease_ns: int = 0  # the producer's lease on the blocks, as its params said (0: unknown)
+    lease_start_ns: int | None = None  # when that lease was last (re)started, on this clock; default t_ns
 
 
 class EngineReady(_ConsumerEvent, frozen=True):

@@ -198,6 +198,15 @@ class Table:
             s: {e: merged[(s, e)] for e in self.events} for s in self.states
         }
 
+    def patched(self, name: str, cells: Cells) -> Table:
+        """A copy with some cells decided differently, checked like any table (for policies and
+        the race tester's mutants)."""
+        unknown = sorted(f"({s}, {e.__name__})" for s, e in cells if (s, e) not in self.cells)
+        if unknown:
+            raise TableError(f"{name}: patches cells that do not exist: {', '.join(unknown)}")
+        merged = {**self.cells, **cells}
+        return Table(name, states=self.states, initial=self.initial, events=self.events, cells=(merged,))
+
     def edges(self) -> list[tuple[State, type, Go]]:
         """Every transition option, in table order: (source, event type, option)."""
         return [

@@ -13,7 +13,8 @@ the request already released (vLLM PR 24268). Notifications are counted as
 distinct parts ``part`` of ``of`` (SGLang 39846); a duplicate, a part out of
 range or a disagreement on ``of`` is a remote violation that changes nothing.
 Notifications that arrive before the scheduler registers the request are
-staged, bounded in number and time (vLLM PR 43509). Heartbeats extend the
+staged, bounded in number and time (vLLM PR 43509); so are heartbeats, whose
+promise the lease then keeps (the consumer counts on it). Heartbeats extend the
 lease from the local time of their arrival: every deadline here is on this
 core's clock (vLLM PR 50326).
 """
@@ -47,7 +48,8 @@ S = ProducerState
 class ProducerRequest:
     """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
-    __slots__ = ("block_ids", "deadline", "of", "outcome", "parts", "request_id", "state", "t_start")
+    __slots__ = ("block_ids", "deadline", "extended_to", "of", "outcome", "parts", "request_id", "state",
+                 "t_start")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -56,6 +58,7 @@ class ProducerRequest:
         self.of = 0  # parts expected, learnt from the first notification
         self.parts = 0  # bit i: part i has notified
         self.deadline = 0
+        self.extended_to = 0  # a heartbeat that arrived before registration promised the lease this long
         self.outcome = ""
         self.t_start = 0
 
@@ -101,6 +104,10 @@ def _staged_complete(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
     return m.complete
 
 
+def _only_heartbeats(m: ProducerRequest, ev: object, core: Core) -> bool:
+    return m.of == 0
+
+
 # --- actions ----------------------------------------------------------------------------------
 
 
@@ -115,6 +122,10 @@ def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     core.leases.disarm(m.request_id, m.deadline)  # the staging time no longer applies
     core.unstage(m)
     _hold(m, ev, core)
+    if m.extended_to > m.deadline:  # an early heartbeat promised longer: keep that promise
+        core.leases.disarm(m.request_id, m.deadline)
+        m.deadline = m.extended_to
+        core.leases.arm(m.request_id, m.deadline)
 
 
 def _release(m: ProducerRequest, expired: bool, t_ns: int, core: Core) -> None:
@@ -140,6 +151,23 @@ def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     m.t_start = ev.t_ns
     m.deadline = ev.t_ns + core.config.staging_ttl_ns
     core.stage(m)
+
+
+def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
+    """A heartbeat before registration (like an early notification): remember its promise and keep
+    the staged entry at least until then."""
+    m.t_start = ev.t_ns
+    m.extended_to = ev.t_ns + ev.extend_ns
+    m.deadline = max(ev.t_ns + core.config.staging_ttl_ns, m.extended_to)
+    core.stage(m)
+
+
+def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
+    m.extended_to = max(m.extended_to, ev.t_ns + ev.extend_ns)
+    if m.extended_to > m.deadline:
+        core.leases.disarm(m.request_id, m.deadline)
+        m.deadline = m.extended_to
+        core.leases.arm(m.request_id, m.deadline)
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
@@ -191,7 +219,7 @@ TABLE: Final[Table] = Table(
             Go(S.HOLDING, _hold),
         ),
         on(S.NEW, NotificationReceived, _bad_part, Go(S.STAGED, _stage)),
-        on(S.NEW, Heartbeat, Illegal(remote, "heartbeat for a request this engine does not hold")),
+        on(S.NEW, Heartbeat, Go(S.STAGED, _stage_heartbeat)),
         on(S.NEW, (LeaseExpired, StagedDropped), Illegal(local, "no such request")),
         # STAGED: notifications arrived before the scheduler registered the blocks.
         on(
@@ -202,9 +230,14 @@ TABLE: Final[Table] = Table(
             Go(S.HOLDING, _hold_staged),
         ),
         on(S.STAGED, NotificationReceived, _bad_part, _bad_count, _dup, Go(S.STAGED, _count)),
-        on(S.STAGED, Heartbeat, Ignore("not registered yet: no lease to extend")),
-        on(S.STAGED, LeaseExpired, Go(S.DISCARDED, _discard, fault=remote,
-                                      reason="notification for a request that was never registered")),
+        on(S.STAGED, Heartbeat, Go(S.STAGED, _extend_staged)),
+        on(
+            S.STAGED,
+            LeaseExpired,
+            Go(S.DISCARDED, _discard, when=_only_heartbeats, fault=remote,
+               reason="heartbeats for a request that was never registered"),
+            Go(S.DISCARDED, _discard, fault=remote, reason="notification for a request that was never registered"),
+        ),
         on(S.STAGED, StagedDropped, Go(S.DISCARDED, _discard, fault=remote,
                                        reason="staged notifications dropped: staging is full")),
         # HOLDING: counting distinct parts under a lease.

@@ -41,7 +41,8 @@ class World:
         self.dt = [SimTransport(self.net, f"D-tp{t}", tp_rank=t, block_bytes=bb // (1 if mla else d_tp),
                                 supports_pp=d_pp_support) for t in range(d_tp)]
         self.d = [Connector(CoreConfig(engine_id="D", tp_rank=t, tp_size=d_tp, mla=mla, compat_hash="h",
-                                       policy=policy, read_timeout_ns=read_timeout_ns),  # type: ignore[arg-type]
+                                       policy=policy, read_timeout_ns=read_timeout_ns,  # type: ignore[arg-type]
+                                       lease_margin_ns=100),
                             self.dt[t], SimHandshaker(self.net), clock=clock) for t in range(d_tp)]
         self.pp = pp
         self.failed: list[HandOff] = []

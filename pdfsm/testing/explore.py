@@ -1,0 +1,209 @@
+"""Driving a :class:`World`: Hypothesis picks the interleaving, or every interleaving is tried.
+
+- :func:`drive` runs one interleaving inside a Hypothesis test (``@given(st.data())``):
+  at each step Hypothesis picks one of the enabled choices (or to stop), so failures
+  shrink to short interleavings made of the first choices, fault-free where possible.
+- :func:`hunt` runs that search programmatically and returns what it found: whether an
+  invariant broke, after how many examples and seconds, and the shrunk counterexample.
+- :func:`exhaust` tries every interleaving up to a depth, treating choices that touch
+  different requests as commuting (sleep sets), for when sampling is not enough.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from pdfsm.testing.invariants import END_INVARIANTS
+from pdfsm.testing.world import Choice, InvariantViolation, Scenario, Variant, World
+
+__all__ = ["Found", "drive", "exhaust", "hunt", "minimize", "replay_choices"]
+
+Invariant = Callable[[World], None]
+_GLOBAL = frozenset({"time", "collect", "engine"})
+
+
+def drive(data: st.DataObject, scenario: Scenario | None = None, variant: Variant | None = None,
+          invariants: Iterable[Invariant] = (), *, settle: bool = True) -> World:
+    """One interleaving chosen by Hypothesis; raises :class:`InvariantViolation` on a broken invariant."""
+    world = World(scenario, variant, invariants)
+    for _ in range(world.s.max_steps):
+        choices = world.enabled()
+        # 0 stops: shrinking moves towards short runs; random runs average about 16 steps.
+        pick = data.draw(st.integers(0, 16 * len(choices)), label="next")
+        if pick == 0:
+            break
+        world.choose(choices[(pick - 1) % len(choices)])
+    if settle:
+        world.drain()
+        for invariant in END_INVARIANTS:
+            invariant(world)
+    return world
+
+
+@dataclass
+class Found:
+    """What a hunt found."""
+
+    found: bool
+    examples: int  # interleavings generated up to the first failure (all of them if none failed)
+    seconds: float  # until the first failure
+    steps: int = 0  # choices in the shrunk counterexample
+    message: str = ""
+    world: World | None = field(default=None, repr=False)
+
+
+def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invariants: Iterable[Invariant] = (),
+         *, max_examples: int = 2000, derandomize: bool = True, shrink: bool = True) -> Found:
+    """Search interleavings with Hypothesis until an invariant breaks; shrink it."""
+    invariants = list(invariants)
+    calls, first = 0, None
+    last: list[World] = []
+    start = time.perf_counter()
+    phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
+
+    @settings(max_examples=max_examples, derandomize=derandomize, deadline=None, database=None, phases=phases,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        nonlocal calls, first
+        calls += 1
+        world = World(scenario, variant, invariants)
+        last[:] = [world]
+        try:
+            _run(world, data)
+        except InvariantViolation:
+            if first is None:
+                first = (calls, time.perf_counter() - start)
+            raise
+
+    try:
+        run()
+    except InvariantViolation as exc:
+        assert first is not None
+        world, message = minimize(last[0].chosen, scenario, variant, invariants) or (last[0], str(exc))
+        return Found(True, first[0], first[1], world.step_no, message, world)
+    return Found(False, calls, time.perf_counter() - start)
+
+
+def replay_choices(names: list[str], scenario: Scenario | None, variant: Variant | None,
+                   invariants: Iterable[Invariant] = ()) -> tuple[World, str]:
+    """Make the named choices in order (skipping any not enabled), settle, check; returns the world
+    and the violation message ("" if every invariant held)."""
+    world = World(scenario, variant, invariants)
+    try:
+        for name in names:
+            choice = next((c for c in world.enabled() if c.name == name), None)
+            if choice is not None:
+                world.choose(choice)
+        world.drain()
+        for invariant in END_INVARIANTS:
+            invariant(world)
+    except InvariantViolation as exc:
+        return world, str(exc)
+    return world, ""
+
+
+def minimize(names: list[str], scenario: Scenario | None, variant: Variant | None,
+             invariants: Iterable[Invariant] = ()) -> tuple[World, str] | None:
+    """Remove steps by name while the run still fails: a counterexample where no single step can go.
+
+    Hypothesis shrinks the choice *indices*; this shrinks the *steps*, which stay meaningful
+    when earlier ones are removed because every choice has a stable name.
+    """
+    invariants = list(invariants)
+    world, message = replay_choices(names, scenario, variant, invariants)
+    if not message:
+        return None
+    names, shrunk = world.chosen, True
+    while shrunk:  # until a whole pass removes nothing: a step may go only once a later one went
+        shrunk, i = False, 0
+        while i < len(names):
+            w, m = replay_choices(names[:i] + names[i + 1:], scenario, variant, invariants)
+            if m:
+                world, message, names, shrunk = w, m, w.chosen, True
+            else:
+                i += 1
+    return world, message
+
+
+def _run(world: World, data: st.DataObject) -> None:
+    for _ in range(world.s.max_steps):
+        choices = world.enabled()
+        pick = data.draw(st.integers(0, 16 * len(choices)), label="next")
+        if pick == 0:
+            break
+        world.choose(choices[(pick - 1) % len(choices)])
+    world.drain()
+    for invariant in END_INVARIANTS:
+        invariant(world)
+
+
+def _independent(a: Choice, b: Choice) -> bool:
+    return not (a.keys & b.keys) and not (a.keys & _GLOBAL) and not (b.keys & _GLOBAL)
+
+
+@dataclass
+class Exhausted:
+    paths: int
+    nodes: int
+    violation: str = ""
+    trace: list[str] = field(default_factory=list)
+
+
+def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iterable[Invariant] = (),
+            *, depth: int = 12, ticks: int = 1, collects: int = 2) -> Exhausted:
+    """Every interleaving of up to ``depth`` choices, commuting independent ones (sleep sets).
+
+    Timer and collect actions are global (they touch everything) and are bounded to ``ticks``
+    and ``collects`` uses per path; every path ends by settling the world and checking the
+    end invariants.
+    """
+    invariants = list(invariants)
+    out = Exhausted(0, 0)
+
+    def replay(path: list[str]) -> World:
+        world = World(scenario, variant, invariants)
+        for name in path:
+            world.choose(next(c for c in world.enabled() if c.name == name))
+        return world
+
+    def allowed(world: World, path: list[str]) -> list[Choice]:
+        used_ticks = sum(p.startswith("timer") for p in path)
+        used_collects = sum(p.startswith("scheduler: decode collects") for p in path)
+        return [c for c in world.enabled()
+                if not (c.name.startswith("timer: 5 ns") or c.name.startswith("timer: idle")
+                        or (c.name.startswith("timer") and used_ticks >= ticks)
+                        or (c.name.startswith("scheduler: decode collects") and used_collects >= collects))]
+
+    def visit(path: list[str], sleep: list[Choice]) -> None:
+        out.nodes += 1
+        try:
+            world = replay(path)
+            choices = allowed(world, path) if len(path) < depth else []
+            if not choices:
+                out.paths += 1
+                world.drain()
+                for invariant in END_INVARIANTS:
+                    invariant(world)
+                return
+        except InvariantViolation as exc:
+            if not out.violation:
+                out.violation, out.trace = str(exc), path
+            raise
+        asleep = {c.name for c in sleep}
+        done: list[Choice] = []
+        for choice in choices:
+            if choice.name in asleep:
+                continue
+            visit([*path, choice.name], [s for s in [*sleep, *done] if _independent(s, choice)])
+            done.append(choice)
+
+    with contextlib.suppress(InvariantViolation):  # recorded in ``out`` by visit
+        visit([], [])
+    return out

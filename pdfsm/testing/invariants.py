@@ -1,0 +1,159 @@
+"""The invariants a correct implementation keeps (domain.md), as checks on a :class:`World`.
+
+``STEP_INVARIANTS`` hold after every step; ``END_INVARIANTS`` once the world has settled
+(:meth:`World.drain`). Each is a plain function ``(world) -> None`` that calls
+``world.fail(...)``; a user's own invariants take the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdfsm import consumer, engine
+from pdfsm.fsm import Fault
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from pdfsm.testing.world import World
+
+__all__ = ["END_INVARIANTS", "STEP_INVARIANTS"]
+
+
+def reported_at_most_once(w: World) -> None:
+    """1. A request is reported to the scheduler exactly once (never twice)."""
+    for (rank, rid), offs in w.hand_offs.items():
+        if len(offs) > 1:
+            w.fail(f"D{rank} reported {rid} {len(offs)} times: {[o.outcome for o in offs]}")
+
+
+def no_report_while_reading(w: World) -> None:
+    """2. No local block goes back to the scheduler while a READ into it may still run."""
+    for rank, rid, pp, tp in w.reads:
+        if (rank, rid) in w.hand_offs:
+            w.fail(f"D{rank} handed {rid} back while its read from ({pp}, {tp}) was still in flight")
+
+
+def failures_carry_their_blocks(w: World) -> None:
+    """3. A failed request is reported with its invalid blocks and the configured policy."""
+    for (rank, rid), offs in w.hand_offs.items():
+        i = int(rid[1:])
+        for off in offs:
+            if off.outcome == "failed" and (off.invalid_blocks != w.blocks[i] or off.policy != w.s.policy):
+                w.fail(f"D{rank} reported {rid} failed with blocks {off.invalid_blocks} and policy {off.policy}; "
+                       f"expected {w.blocks[i]} and {w.s.policy}")
+
+
+def notify_only_never_reported(w: World) -> None:
+    """A notify-only request owes the producer a notification but is never reported."""
+    for (rank, rid) in w.hand_offs:
+        if not w.blocks[int(rid[1:])]:
+            w.fail(f"D{rank} reported notify-only request {rid} to the scheduler")
+
+
+def received_bytes_are_the_promised_ones(w: World) -> None:
+    """2 and 4 seen from the data: every block read came from the named engine, unreused."""
+    for (rank, rid), offs in w.hand_offs.items():
+        if offs[0].outcome != "received":
+            continue
+        for agent, block, got, promised in w.read_versions.get((rank, rid), []):
+            if got != promised:
+                w.fail(f"D{rank} received {rid} with block {block} from {agent} in version {got}, "
+                       f"but the prefill wrote version {promised}: the bytes are not the request's")
+
+
+def producer_frees_once(w: World) -> None:
+    """4. P releases a request's blocks exactly once (never twice)."""
+    for (agent, rid), frees in w.freed.items():
+        if len(frees) > 1:
+            w.fail(f"{agent} freed the blocks of {rid} {len(frees)} times")
+
+
+def leases_expire_on_time(w: World) -> None:
+    """6. Deadlines are compared in one clock domain: no lease expires before its time."""
+    for (agent, rid), frees in w.freed.items():
+        start = w.lease_from.get((agent, rid), 0)
+        if any(f.expired for f in frees) and w.now - start < w.s.lease_ns:
+            w.fail(f"{agent} expired the lease of {rid} after {w.now - start} ns, before its {w.s.lease_ns} ns")
+
+
+def notifications_name_producer_requests(w: World) -> None:
+    """5. Notifications carry the producer's request id, never the consumer's local id."""
+    valid = {w.prid(i) for i in range(w.s.requests)}
+    for note in w.notifications:
+        if note.request_id not in valid:
+            w.fail(f"a notification names {note.request_id!r}, which is no producer request")
+
+
+def no_request_waits_on_an_idle_engine(w: World) -> None:
+    """Every request still handshaking is on the waiting list of a handshake in progress."""
+    live = (engine.S.HANDSHAKING, engine.S.CONNECTING)
+    for rank, core in enumerate(w.consumers):
+        for rid, m in core.consumers.items():
+            if m.state is not consumer.S.HANDSHAKING or m.req is None:
+                continue
+            for pp in range(w.s.producer_pp):
+                if (m.waiting >> pp) & 1:
+                    e = core.engines.get((m.req.engine_id, pp))
+                    if e is None or e.state not in live or rid not in e.waiters:
+                        state = e.state if e is not None else "absent"
+                        w.fail(f"D{rank}: {rid} waits for engine ({m.req.engine_id}, {pp}), which is {state} "
+                               "and will never tell it")
+
+
+def transport_only_from_its_owner(w: World) -> None:
+    """NIXL is not thread-safe: the transport is called from the owner thread only."""
+    if w.transport_calls_off_owner:
+        w.fail("the handshake thread called the transport while the owner thread polls it")
+
+
+def pp_only_where_supported(w: World) -> None:
+    """A transport that cannot do PP is never asked to serve pp_rank > 0."""
+    if w.pp_asked_of_non_pp:
+        w.fail("a transport without PP support was asked to serve pp_rank > 0")
+
+
+def no_local_violation(w: World) -> None:
+    """8. The world injects only remote faults: an illegal event blamed on us is a bug of ours.
+    (A handled local fault, such as refusing PP on a transport without it, is the design.)"""
+    if w.rejections(Fault.LOCAL):
+        bad = [r for recs in w.records().values() for r in recs
+               if r.fault is Fault.LOCAL and r.outcome.name == "REJECTED"]
+        first = bad[0]
+        w.fail(f"a local violation: {first.machine} {type(first.event).__name__} in {first.before}: {first.reason}")
+
+
+def every_request_reported(w: World) -> None:
+    """1. At rest, every request with blocks was reported exactly once on every consumer rank."""
+    for rank, rid in sorted(w.requested):
+        if w.blocks[int(rid[1:])] and len(w.hand_offs.get((rank, rid), [])) != 1:
+            w.fail(f"D{rank} never reported {rid}")
+
+
+def every_promise_released(w: World) -> None:
+    """4. At rest, every registered producer request was freed exactly once."""
+    for key in w.registered:
+        if len(w.freed.get(key, [])) != 1:
+            w.fail(f"{key[0]} still holds the blocks of {key[1]}")
+
+
+def nothing_left_running(w: World) -> None:
+    """At rest no read is in flight and every request machine is terminal."""
+    if w.reads:
+        w.fail(f"reads still in flight at rest: {sorted(w.reads)}")
+    for name, core in zip(("D",) * len(w.consumers), w.consumers, strict=True):
+        if core.consumers:
+            w.fail(f"{name}: requests not terminal at rest: {sorted(core.consumers)}")
+    for (pp, tp), core in w.producers.items():
+        if core.producers:
+            w.fail(f"P{pp}.{tp}: requests not terminal at rest: {sorted(core.producers)}")
+
+
+STEP_INVARIANTS: list[Callable[[World], None]] = [
+    reported_at_most_once, no_report_while_reading, failures_carry_their_blocks, notify_only_never_reported,
+    received_bytes_are_the_promised_ones, producer_frees_once, leases_expire_on_time,
+    notifications_name_producer_requests, no_request_waits_on_an_idle_engine, transport_only_from_its_owner,
+    pp_only_where_supported, no_local_violation,
+]
+END_INVARIANTS: list[Callable[[World], None]] = [every_request_reported, every_promise_released,
+                                                 nothing_left_running]

@@ -1,0 +1,599 @@
+"""A deterministic simulated prefill/decode world whose every interleaving is a choice.
+
+Consumer ranks (decode workers) and producer ranks (prefill workers) are real
+:class:`~pdfsm.core.Core` objects. Everything between them is simulated here: the
+schedulers, the handshake thread, each read handle, each notification in flight,
+the timers, and the faults. Each event source keeps its own order (a FIFO: a
+scheduler's requests, one handle's completion); which source delivers next is a
+*choice*, and so is every fault (a read ends ERR or its poll raises, a notification
+is dropped or duplicated, a handshake is refused or answered by the wrong listener,
+the peer disconnects, the lease runs out). A driver (Hypothesis, or the exhaustive
+search) makes the choices; the world applies them and checks the invariants after
+every step.
+
+Ground truth is kept beside the machines: which reads are in flight, which producer
+blocks have been freed and reused (a read that completes after its blocks were
+reused copies the wrong bytes), what each request was promised. The invariants in
+:mod:`pdfsm.testing.invariants` read it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from functools import partial
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+
+from pdfsm.commands import (
+    AddPeer,
+    CancelRead,
+    Command,
+    DropPeer,
+    FinishedSending,
+    HandOff,
+    PostRead,
+    SendNotification,
+    StartHandshake,
+)
+from pdfsm.core import Core, Tables
+from pdfsm.events import (
+    AbortRequested,
+    BlocksHeld,
+    Collect,
+    CoreConfig,
+    Deadline,
+    Event,
+    EvictRequested,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeReply,
+    Heartbeat,
+    NotificationReceived,
+    PeerAdded,
+    PeerDisconnected,
+    Policy,
+    RankInfo,
+    ReadRequested,
+    SendFailed,
+    Source,
+    Tick,
+)
+from pdfsm.fsm import Fault
+from pdfsm.log import EventLog, MemorySink, Record
+from pdfsm.timers import Timers
+from pdfsm.wire import Notification
+
+__all__ = ["FAULTS", "Choice", "InvariantViolation", "Scenario", "Variant", "World"]
+
+# The world's cores log nothing: violations are expected, and the log records them anyway.
+_QUIET = structlog.wrap_logger(structlog.ReturnLogger(),
+                               wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+
+FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "handshake-refuse",
+                    "handshake-timeout", "notify-drop", "notify-duplicate", "forge", "heartbeat", "lease"})
+COMPAT = "race-model-v1"
+
+
+class Scenario(msgspec.Struct, frozen=True, kw_only=True):
+    """The shape of a world: engines, requests, timeouts, and which faults may be chosen."""
+
+    requests: int = 2
+    blocks: int = 2  # per request
+    notify_only: tuple[int, ...] = ()  # request indices whose prompt is a full local prefix hit
+    consumer_tp: int = 1
+    producer_tp: int = 1
+    producer_pp: int = 1
+    mla: bool = False
+    supports_pp: bool = True
+    policy: Policy = "recompute"
+    lease_ns: int = 60
+    read_timeout_ns: int = 40
+    staging_ttl_ns: int = 30
+    faults: frozenset[str] = FAULTS
+    wrong_listener: bool = False  # another engine's listener may answer the handshake
+    scheduler_deadlines: bool = False  # the prefill scheduler hands leases as deadlines on its own clock
+    scheduler_clock_offset: int = -1_000  # its clock minus the worker's
+    lease_margin_ns: int = 5
+    max_steps: int = 40
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A policy to test: the real tables, or ones with a bug planted (see pdfsm.testing.mutants).
+
+    ``quirks`` change the simulated adapter: ``poll-errors-escape`` (a poll that raises is not
+    turned into a failed handle), ``add-peer-off-owner`` (the handshake thread adds the peer),
+    ``notify-on-post`` (the notification is sent when the read is posted, not when it
+    completes), ``no-rebase`` (scheduler deadlines are passed on as they are).
+    """
+
+    id: str = "pdfsm"
+    summary: str = "the real machines"
+    tables: Tables | None = None
+    timers: Callable[[], Timers] | None = None
+    quirks: frozenset[str] = frozenset()
+    scenario: Scenario | None = None
+
+
+class InvariantViolation(AssertionError):
+    """An invariant failed; the message says which, at which step, and what led there."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One thing that can happen next. ``keys`` is what it touches (for commutation)."""
+
+    name: str
+    keys: frozenset[str]
+    run: Callable[[], None] = field(compare=False, repr=False)
+
+
+@dataclass
+class _Read:
+    rank: int
+    cmd: PostRead
+    agent: str
+    cancelled: bool = False
+
+
+class World:
+    """Consumer and producer cores plus a simulated network, schedulers, timers and faults."""
+
+    def __init__(self, scenario: Scenario | None = None, variant: Variant | None = None,
+                 invariants: Iterable[Callable[[World], None]] = ()) -> None:
+        from pdfsm.testing.invariants import STEP_INVARIANTS
+
+        self.variant = variant or Variant()
+        self.s = scenario or self.variant.scenario or Scenario()
+        s = self.s
+        self.now = 0
+        self.step_no = 0
+        self.journal: list[str] = []
+        self.chosen: list[str] = []  # the choices made before settling: what a counterexample replays
+        self.settling = False
+        self.invariants = [*STEP_INVARIANTS, *invariants]
+        self.sinks: dict[str, MemorySink] = {}
+
+        def core(name: str, **cfg: Any) -> Core:
+            sink = self.sinks[name] = MemorySink()
+            timers = None
+            if self.variant.timers is not None:
+                timers = (self.variant.timers(), self.variant.timers())
+            config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
+                                read_timeout_ns=s.read_timeout_ns, staging_ttl_ns=s.staging_ttl_ns,
+                                lease_margin_ns=s.lease_margin_ns, handshake_retry_ns=10, **cfg)
+            return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
+                        logger=_QUIET)
+
+        self.consumers = [core(f"D{r}", engine_id="D", tp_rank=r, tp_size=s.consumer_tp, supports_pp=s.supports_pp)
+                          for r in range(s.consumer_tp)]
+        self.producers = {(pp, tp): core(f"P{pp}.{tp}", engine_id="P", tp_rank=tp, tp_size=s.producer_tp,
+                                         pp_rank=pp, pp_size=s.producer_pp)
+                          for pp in range(s.producer_pp) for tp in range(s.producer_tp)}
+        self.sources: dict[str, deque[tuple[str, Any]]] = {}
+        # ground truth
+        self.blocks = {i: tuple(range(i * s.blocks, (i + 1) * s.blocks)) if i not in s.notify_only else ()
+                       for i in range(s.requests)}
+        self.version: dict[tuple[str, int], int] = {}  # (agent, block) -> times it was freed and reused
+        self.promised: dict[tuple[str, int], int] = {}  # the versions a request's blocks had at prefill
+        self.reads: dict[tuple[int, str, int, int], _Read] = {}  # in flight: (rank, rid, pp, tp)
+        self.read_versions: dict[tuple[int, str], list[tuple[str, int, int, int]]] = {}
+        self.hand_offs: dict[tuple[int, str], list[HandOff]] = {}
+        self.freed: dict[tuple[str, str], list[FinishedSending]] = {}  # (producer agent, rid)
+        self.registered: dict[tuple[str, str], int] = {}  # (producer agent, rid) -> time registered
+        self.lease_from: dict[tuple[str, str], int] = {}  # when the lease started, on the worker's clock
+        self.lease_seen: dict[int, int] = {}  # what the decode scheduler knows of each lease's start
+        self._sent = 0
+        self.requested: set[tuple[int, str]] = set()
+        self.notifications: list[Notification] = []
+        self.peers: dict[tuple[int, str, int], dict[int, str]] = {}  # (rank, engine, pp) -> tp -> agent
+        self.transport_calls_off_owner = 0
+        self.pp_asked_of_non_pp = 0
+        self.disconnected = False
+        self.faults_used: set[str] = set()
+        self.heartbeats = 0
+        for i in range(s.requests):
+            self._push("prefill-scheduler", ("finish", i))
+
+    # --- names ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def crid(i: int) -> str:
+        return f"r{i}"
+
+    @staticmethod
+    def prid(i: int) -> str:
+        return f"p{i}"
+
+    @staticmethod
+    def agent(engine: str, pp: int, tp: int) -> str:
+        return f"{engine}-{pp}-{tp}"
+
+    # --- choosing ------------------------------------------------------------------------------
+
+    def _push(self, source: str, item: tuple[str, Any]) -> None:
+        self.sources.setdefault(source, deque()).append(item)
+
+    def enabled(self) -> list[Choice]:
+        """Everything that may happen next, in a fixed order."""
+        out: list[Choice] = []
+        faults = self.s.faults
+        for source in sorted(self.sources):
+            queue = self.sources[source]
+            if queue:
+                out.extend(self._choices(source, queue[0]))
+        out.append(Choice("scheduler: decode collects finished requests", frozenset({"collect"}), self._collect))
+        out.append(Choice("timer: time passes to the next deadline", frozenset({"time"}), self._tick_deadline))
+        out.append(Choice("timer: 5 ns pass", frozenset({"time"}), lambda: self._tick(5)))
+        for i in range(self.s.requests):
+            rid = self.crid(i)
+            if "abort" in faults and any((r, rid) in self.requested for r in range(self.s.consumer_tp)) \
+                    and f"abort {rid}" not in self.faults_used:
+                out.append(Choice(f"scheduler: decode aborts {rid}", frozenset({f"c:{rid}"}),
+                                  partial(self._abort, rid)))
+            if "heartbeat" in faults and self.heartbeats < 2 and self._promised(i):
+                out.append(Choice(f"scheduler: decode heartbeats {self.prid(i)}", frozenset({f"p:{self.prid(i)}"}),
+                                  partial(self._heartbeat, i)))
+        if "disconnect" in faults and not self.disconnected and self.peers:
+            out.append(Choice("fault: the producer disconnects", frozenset({"engine"}), self._disconnect))
+        if "evict" in faults and self.peers and "evict" not in self.faults_used:
+            out.append(Choice("timer: idle eviction of the producer engine", frozenset({"engine"}), self._evict))
+        if "forge" in faults and "forge" not in self.faults_used:
+            out.append(Choice("fault: a forged notification reaches the producer", frozenset({"p:forged"}),
+                              self._forge))
+        return out
+
+    def _promised(self, i: int) -> bool:
+        """Prefill finished and the decode side has not handed the request off yet."""
+        return (self.prid(i), 0) in {(k[1], 0) for k in self.lease_from} and not any(
+            k[1] == self.crid(i) for k in self.hand_offs)
+
+    def _choices(self, source: str, item: tuple[str, Any]) -> list[Choice]:
+        kind, payload = item
+        faults = self.s.faults
+        if kind == "finish":
+            i = payload
+            return [Choice(f"prefill: {self.prid(i)} finishes prefill", frozenset({f"p:{self.prid(i)}"}),
+                           lambda: self._finish(i))]
+        if kind == "register":
+            target, agent, i, ev = payload
+            return [Choice(f"prefill worker {target}: registers {self.prid(i)}", frozenset({f"p:{self.prid(i)}"}),
+                           lambda: self._register(source, target, agent, ev))]
+        if kind == "read-request":
+            rank, i = payload
+            return [Choice(f"scheduler: D{rank} asks to read {self.crid(i)}", frozenset({f"c:{self.crid(i)}"}),
+                           lambda: self._read_request(source, rank, i))]
+        if kind == "handshake":
+            rank, cmd = payload
+            name = f"handshake: D{rank} gets the answer for ({cmd.engine_id}, pp {cmd.pp_rank}) #{cmd.attempt}"
+            keys = frozenset({"engine"})
+            out = [Choice(name, keys, lambda: self._answer(source, rank, cmd, "ok"))]
+            if self.s.wrong_listener:
+                out.append(Choice(f"{name}: from the wrong listener", keys,
+                                  lambda: self._answer(source, rank, cmd, "wrong")))
+            if "handshake-refuse" in faults:
+                out.append(Choice(f"{name}: refused", keys, lambda: self._answer(source, rank, cmd, "refuse")))
+            if "handshake-timeout" in faults:
+                out.append(Choice(f"{name}: timed out", keys, lambda: self._answer(source, rank, cmd, "timeout")))
+            return out
+        if kind == "event":
+            target, ev = payload
+            return [Choice(f"{source}: {type(ev).__name__} reaches {target}", frozenset({"engine"}),
+                           lambda: self._deliver_source(source, target, ev))]
+        if kind == "read":
+            key = payload
+            read = self.reads[key]
+            rank, rid, pp, tp = key
+            base = f"transfer: D{rank} read of {rid} from ({pp}, {tp})"
+            keys = frozenset({f"c:{rid}", f"p:{read.cmd.notification.request_id}", "engine"})
+            outcomes = ["cancelled", "done"] if read.cancelled else ["done"]
+            if not read.cancelled:
+                outcomes += [f for f in ("err", "raise") if f"read-{f}" in faults]
+            if read.agent.startswith("P") and self.disconnected:
+                outcomes = ["disconnected"]
+            return [Choice(f"{base} ends {o}", keys, partial(self._end_read, source, key, o)) for o in outcomes]
+        if kind == "notify":
+            target, note, sender = payload
+            base = f"network: notification {note.request_id} part {note.part}/{note.of} from {sender} reaches {target}"
+            keys = frozenset({f"p:{note.request_id}"})
+            out = [Choice(base, keys, lambda: self._notify(source, target, note, sender, "ok"))]
+            if "notify-drop" in faults:
+                out.append(Choice(f"{base}: dropped", keys, lambda: self._notify(source, target, note, sender, "drop")))
+            if "notify-duplicate" in faults:
+                out.append(Choice(f"{base}: twice", keys, lambda: self._notify(source, target, note, sender, "dup")))
+            return out
+        raise AssertionError(f"unknown source item {kind}")
+
+    def choose(self, choice: Choice) -> None:
+        """Make one choice, then check every invariant."""
+        self.step_no += 1
+        self.journal.append(f"{self.step_no:3d}. {choice.name}")
+        if not self.settling:
+            self.chosen.append(choice.name)
+        choice.run()
+        self.check()
+
+    def check(self) -> None:
+        for invariant in self.invariants:
+            invariant(self)
+
+    def fail(self, message: str) -> None:
+        raise InvariantViolation(f"{message}\nafter {self.step_no} steps:\n" + "\n".join(self.journal))
+
+    # --- running the cores ---------------------------------------------------------------------
+
+    def core(self, name: str) -> Core:
+        if name.startswith("D"):
+            return self.consumers[int(name[1:])]
+        pp, tp = name[1:].split(".")
+        return self.producers[(int(pp), int(tp))]
+
+    def apply(self, name: str, ev: Event) -> None:
+        core = self.core(name)
+        try:
+            core.apply(ev)
+        except InvariantViolation:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any exception out of a core is a crash
+            self.fail(f"{name} crashed applying {type(ev).__name__}: {type(exc).__name__}: {exc}")
+        self._execute(name, core.take_commands())
+
+    def _deliver_source(self, source: str, target: str, ev: Event) -> None:
+        self.sources[source].popleft()
+        self.apply(target, ev)
+
+    def _ev(self, cls: type, **fields: Any) -> Any:
+        return cls(source=Source.CORE, t_ns=self.now, **fields)
+
+    # --- schedulers ------------------------------------------------------------------------------
+
+    def _finish(self, i: int) -> None:
+        """Prefill is done: blocks hold the KV (promised versions); the decode side may read."""
+        self.sources["prefill-scheduler"].popleft()
+        s = self.s
+        for (pp, tp), _ in self.producers.items():
+            agent = self.agent("P", pp, tp)
+            for b in self._p_blocks(i):
+                self.promised[(f"{agent}:{self.prid(i)}", b)] = self.version.get((agent, b), 0)
+            deadline = None
+            if s.scheduler_deadlines:
+                there = self.now + s.scheduler_clock_offset
+                deadline = Deadline("scheduler", there + s.lease_ns)
+                if "no-rebase" not in self.variant.quirks:
+                    deadline = deadline.rebased(there_now_ns=there, here_clock="monotonic", here_now_ns=self.now)
+            ev = self._ev(BlocksHeld, request_id=self.prid(i), block_ids=self._p_blocks(i), deadline=deadline)
+            self.lease_from[(agent, self.prid(i))] = self.now  # the lease runs from the end of prefill
+            self._push(f"prefill-worker {agent}", ("register", (f"P{pp}.{tp}", agent, i, ev)))
+        self.lease_seen[i] = self.now
+        for rank in range(s.consumer_tp):
+            self._push(f"decode-scheduler D{rank}", ("read-request", (rank, i)))
+
+    def _read_request(self, source: str, rank: int, i: int) -> None:
+        """The decode scheduler allocates blocks and asks its worker to read, knowing when it last
+        heard of the producer's lease (prefill's end, or its own last heartbeat)."""
+        s = self.s
+        ev = self._ev(ReadRequested, request_id=self.crid(i), remote_request_id=self.prid(i), engine_id="P",
+                      host="prefill", port=1, remote_tp=s.producer_tp, remote_pp=s.producer_pp,
+                      local_blocks=self.blocks[i], remote_blocks=self._p_blocks(i) if self.blocks[i] else (),
+                      lease_ns=s.lease_ns, lease_start_ns=self.lease_seen[i])
+        self.requested.add((rank, ev.request_id))
+        self._deliver_source(source, f"D{rank}", ev)
+
+    def _register(self, source: str, target: str, agent: str, ev: BlocksHeld) -> None:
+        self.registered[(agent, ev.request_id)] = self.now
+        self._deliver_source(source, target, ev)
+
+    def _p_blocks(self, i: int) -> tuple[int, ...]:
+        return tuple(range(i * self.s.blocks, (i + 1) * self.s.blocks))
+
+    def _collect(self) -> None:
+        for rank in range(self.s.consumer_tp):
+            self.apply(f"D{rank}", self._ev(Collect, step=self.step_no))
+
+    def _tick(self, dt: int) -> None:
+        self.now += dt
+        for name in self._core_names():
+            self.apply(name, self._ev(Tick))
+
+    def _tick_deadline(self) -> None:
+        due = [d for c in self._cores() if (d := c.next_deadline()) is not None]
+        self._tick(max(1, min(due) - self.now) if due else 5)
+
+    def _cores(self) -> list[Core]:
+        return [*self.consumers, *self.producers.values()]
+
+    def _core_names(self) -> list[str]:
+        return [f"D{r}" for r in range(self.s.consumer_tp)] + [f"P{pp}.{tp}" for pp, tp in self.producers]
+
+    def _abort(self, rid: str) -> None:
+        self.faults_used.add(f"abort {rid}")
+        for rank in range(self.s.consumer_tp):
+            self.apply(f"D{rank}", self._ev(AbortRequested, request_id=rid))
+
+    def _heartbeat(self, i: int) -> None:
+        """The decode scheduler heartbeats a queued request. It counts on the extension only if it
+        sent it while the lease it knew of had more than the margin to run: a heartbeat that
+        arrives after the lease ended extends nothing."""
+        self.heartbeats += 1
+        if self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
+            self.lease_seen[i] = self.now
+        for name in self._core_names()[self.s.consumer_tp:]:
+            self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns))
+
+    def _evict(self) -> None:
+        self.faults_used.add("evict")
+        for rank in range(self.s.consumer_tp):
+            for pp in range(self.s.producer_pp):
+                self.apply(f"D{rank}", self._ev(EvictRequested, engine_id="P", pp_rank=pp))
+
+    def _disconnect(self) -> None:
+        self.disconnected = True
+        for rank in range(self.s.consumer_tp):
+            for pp in range(self.s.producer_pp):
+                self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id="P", pp_rank=pp, detail="gone"))
+
+    def _forge(self) -> None:
+        self.faults_used.add("forge")
+        name = self._core_names()[self.s.consumer_tp]
+        self.apply(name, self._ev(NotificationReceived, request_id="forged", part=0, of=1, sender="mallory"))
+
+    # --- the simulated network and transport -------------------------------------------------------
+
+    def _answer(self, source: str, rank: int, cmd: StartHandshake, how: str) -> None:
+        self.sources[source].popleft()
+        common = {"engine_id": cmd.engine_id, "pp_rank": cmd.pp_rank, "attempt": cmd.attempt}
+        if how == "refuse" or (how == "ok" and self.disconnected):
+            ev: Event = self._ev(HandshakeFailed, **common, error="connection refused")
+        elif how == "timeout":
+            ev = self._ev(HandshakeFailed, **common, error="timed out")
+        else:
+            engine = "Q" if how == "wrong" else "P"
+            ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t))
+                          for t in range(self.s.producer_tp))
+            reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
+                                   pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks)
+            ev = self._ev(HandshakeDone, **common, reply=reply)
+            if "add-peer-off-owner" in self.variant.quirks:
+                self.transport_calls_off_owner += 1  # the handshake thread touches the transport
+        self.apply(f"D{rank}", ev)
+
+    def _execute(self, name: str, cmds: list[Command]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, StartHandshake):
+                self._push(f"handshake D{name[1:]} {cmd.pp_rank}", ("handshake", (int(name[1:]), cmd)))
+            elif isinstance(cmd, AddPeer):
+                rank = int(name[1:])
+                if cmd.pp_rank > 0 and not self.s.supports_pp:
+                    self.pp_asked_of_non_pp += 1
+                self.peers[(rank, cmd.engine_id, cmd.pp_rank)] = {r.tp_rank: r.agent for r in cmd.reply.ranks}
+                self._push(f"adapter {name}", ("event", (name, self._ev(
+                    PeerAdded, engine_id=cmd.engine_id, pp_rank=cmd.pp_rank, attempt=cmd.attempt))))
+            elif isinstance(cmd, DropPeer):
+                rank = int(name[1:])
+                in_flight = [k for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
+                             and r.cmd.engine_id == cmd.engine_id]
+                if in_flight and not self.disconnected:  # after a disconnect the transport defers the drop
+                    self.fail(f"{name} dropped peer ({cmd.engine_id}, {cmd.pp_rank}) with reads in flight: {in_flight}")
+                self.peers.pop((rank, cmd.engine_id, cmd.pp_rank), None)
+            elif isinstance(cmd, PostRead):
+                self._post(name, cmd)
+            elif isinstance(cmd, CancelRead):
+                read = self.reads.get((int(name[1:]), cmd.request_id, cmd.pp_rank, cmd.tp_rank))
+                if read is not None:
+                    read.cancelled = True
+            elif isinstance(cmd, SendNotification):
+                self.notifications.append(cmd.notification)
+                self._send(name, cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
+            elif isinstance(cmd, HandOff):
+                self.hand_offs.setdefault((int(name[1:]), cmd.request_id), []).append(cmd)
+            elif isinstance(cmd, FinishedSending):
+                self._freed(name, cmd)
+
+    def _post(self, name: str, cmd: PostRead) -> None:
+        rank, src = int(name[1:]), cmd.source
+        if src.pp_rank > 0 and not self.s.supports_pp:
+            self.pp_asked_of_non_pp += 1
+        agent = self.peers.get((rank, cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
+        if agent is None:  # what a transport does with a read for an unknown peer: it refuses
+            self.apply(name, self._ev(HandleFailed, request_id=cmd.request_id, pp_rank=src.pp_rank,
+                                      tp_rank=src.tp_rank, why=HandleFailure.SETUP, detail="no such peer"))
+            return
+        self.notifications.append(cmd.notification)
+        key = (rank, cmd.request_id, src.pp_rank, src.tp_rank)
+        if key in self.reads:
+            self.fail(f"{name} posted the same read twice: {key}")
+        self.reads[key] = _Read(rank, cmd, agent)
+        self._push(f"read {key}", ("read", key))
+        if "notify-on-post" in self.variant.quirks:
+            self._send(name, cmd.engine_id, src.pp_rank, src.tp_rank, cmd.notification)
+
+    def _end_read(self, source: str, key: tuple[int, str, int, int], outcome: str) -> None:
+        self.sources[source].popleft()
+        read = self.reads.pop(key)
+        rank, rid, pp, tp = key
+        name = f"D{rank}"
+        common = {"request_id": rid, "pp_rank": pp, "tp_rank": tp}
+        if outcome == "done":
+            versions = self.read_versions.setdefault((rank, rid), [])
+            prid = read.cmd.notification.request_id
+            versions.extend((read.agent, b, self.version.get((read.agent, b), 0),
+                             self.promised.get((f"{read.agent}:{prid}", b), -1)) for b in read.cmd.remote_blocks)
+            if "notify-on-post" not in self.variant.quirks:
+                self._send(name, read.cmd.engine_id, pp, tp, read.cmd.notification)
+            self.apply(name, self._ev(HandleDone, **common))
+        elif outcome == "raise" and "poll-errors-escape" in self.variant.quirks:
+            self.fail(f"{name} crashed: polling the read of {rid} raised and the exception escaped")
+        else:
+            why = {"err": HandleFailure.ERR, "raise": HandleFailure.RAISED, "cancelled": HandleFailure.CANCELLED,
+                   "disconnected": HandleFailure.DISCONNECTED}[outcome]
+            self.apply(name, self._ev(HandleFailed, **common, why=why, detail=outcome))
+
+    def _send(self, name: str, engine: str, pp: int, tp: int, note: Notification) -> None:
+        agent = self.peers.get((int(name[1:]), engine, pp), {}).get(tp, self.agent(engine, pp, tp))
+        if self.disconnected or not agent.startswith("P"):
+            self.apply(name, self._ev(SendFailed, engine_id=engine, pp_rank=pp, tp_rank=tp,
+                                      request_id=note.request_id, error="peer unreachable"))
+            return
+        target = f"P{pp}.{tp}"
+        self._sent += 1
+        self._push(f"notify {self._sent:04d} {target}", ("notify", (target, note, name)))
+
+    def _notify(self, source: str, target: str, note: Notification, sender: str, how: str) -> None:
+        self.sources[source].popleft()
+        if how == "drop":
+            return
+        ev = self._ev(NotificationReceived, request_id=note.request_id, part=note.part, of=note.of, sender=sender)
+        self.apply(target, ev)
+        if how == "dup":
+            self.apply(target, ev)
+
+    def _freed(self, name: str, cmd: FinishedSending) -> None:
+        pp, tp = (int(x) for x in name[1:].split("."))
+        agent = self.agent("P", pp, tp)
+        self.freed.setdefault((agent, cmd.request_id), []).append(cmd)
+        for b in cmd.block_ids:  # the blocks are reused at once: a late read copies other data
+            self.version[(agent, b)] = self.version.get((agent, b), 0) + 1
+
+    # --- the end of a run -------------------------------------------------------------------------
+
+    def drain(self, limit: int = 400) -> None:
+        """Let everything pending happen without faults, then time pass and the scheduler collect."""
+        self.settling = True
+        for _ in range(limit):
+            heads = [c for c in self.enabled() if not c.name.startswith(("fault", "scheduler: decode aborts",
+                                                                         "scheduler: decode heartbeats",
+                                                                         "timer: idle"))]
+            pending = [c for c in heads if c.keys != frozenset({"collect"}) and not c.name.startswith("timer")]
+            if pending:
+                clean = [c for c in pending if not c.name.endswith(("dropped", "twice", "refused", "timed out",
+                                                                    "listener", "err", "raise"))]
+                self.choose((clean or pending)[0])
+                continue
+            self.choose(Choice("scheduler: decode collects finished requests", frozenset(), self._collect))
+            due = [d for c in self._cores() if (d := c.next_deadline()) is not None]
+            if not due:
+                return
+            self.choose(Choice("timer: time passes to the next deadline", frozenset(), self._tick_deadline))
+        self.fail(f"the world did not settle within {limit} steps")
+
+    def records(self) -> dict[str, list[Record]]:
+        for c in self._cores():
+            c.log.flush()
+        return {name: sink.records for name, sink in self.sinks.items()}
+
+    def coverage(self) -> set[tuple[str, str, str]]:
+        """The (machine, state, event type) cells the run exercised."""
+        return {(r.machine, r.before, type(r.event).__name__)
+                for recs in self.records().values() for r in recs if r.machine != "core"}
+
+    def rejections(self, fault: Fault) -> int:
+        """Illegal events (rejected, not handled) blamed on ``fault``, over every core."""
+        return sum(c.rejections[fault] for c in self._cores())
