@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from functools import partial
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
