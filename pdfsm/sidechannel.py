@@ -210,17 +210,16 @@ def _parse_header(header: bytes | bytearray, cap: int) -> tuple[int, int]:
 def _verify(secret: bytes | None, kind: Kind, flags: int, *, header: bytes | bytearray,
             body: bytes | bytearray, mac: bytes | bytearray) -> None:
     """Fail closed: a MAC is required exactly when a secret is configured, and must verify."""
+    problem = ""
     if secret is None:
-        problem = f"the {kind} carries a MAC but no secret is configured here" if flags & FLAG_MAC else ""
+        problem = "carries a MAC but no secret is configured here" if flags & FLAG_MAC else ""
     elif not flags & FLAG_MAC:
-        problem = f"the {kind} carries no MAC but a secret is configured here"
+        problem = "carries no MAC but a secret is configured here"
     elif not hmac.compare_digest(_mac(secret, kind, header, body), bytes(mac)):
-        problem = f"the {kind}'s MAC does not verify: wrong secret or a tampered message"
-    else:
-        problem = ""
+        problem = "has a MAC that does not verify (a wrong secret or a tampered message)"
     if problem:
-        raise _FrameError(ErrorCode.UNAUTHENTICATED, problem + (
-            "" if "verify" in problem else ": configure the same secret on both sides"))
+        raise _FrameError(ErrorCode.UNAUTHENTICATED,
+                          f"the {kind} {problem}: the same secret must be configured on both sides")
 
 
 def unpack_frame(data: bytes, *, secret: bytes | None, kind: Kind, cap: int) -> bytes:
@@ -497,10 +496,10 @@ class SideChannelServer:
             return None
         _send_all(conn, pack_frame(out, secret=self.secret, kind="reply"), time.monotonic() + self.io_timeout,
                   self._wake_r)
-        _finish(conn, self._wake_r)
         with self._lock:
             self.served += 1
         _log.debug("side channel served", peer=peer, requester=request.engine_id, pp_rank=request.pp_rank)
+        _finish(conn, self._wake_r)
         return None
 
     def _answer(self, conn: socket.socket) -> tuple[HandshakeRequest, bytes]:
@@ -704,12 +703,13 @@ class SideChannelHandshaker:
         if submit is None:
             raise RuntimeError("bind() the handshaker before starting handshakes")
         with self._lock:
-            if not self._closed:
-                fut = self._pool.submit(self._run, cmd, time.monotonic())
+            fut = None if self._closed else self._pool.submit(self._run, cmd, time.monotonic())
+            if fut is not None:
                 self._futures.add(fut)
-                fut.add_done_callback(self._forget)
-                return
-        submit(self._failed(cmd, "side channel handshaker is closed"))
+        if fut is None:
+            submit(self._failed(cmd, "side channel handshaker is closed"))
+        else:  # outside the lock: a future already done runs the callback here, and it takes the lock
+            fut.add_done_callback(self._forget)
 
     def progress(self) -> None:
         """Nothing to do: worker threads submit their outcomes themselves."""
@@ -723,7 +723,8 @@ class SideChannelHandshaker:
             futures = list(self._futures)
         self._wake_w.send(b"x")  # never drained: every worker's poll sees it
         self._pool.shutdown(wait=False, cancel_futures=True)
-        _, running = wait_futures(futures, timeout=timeout)
+        # Cancelled futures never count as done for wait(): wait only for the running ones.
+        _, running = wait_futures([f for f in futures if not f.cancelled()], timeout=timeout)
         if not running:  # otherwise left to the garbage collector: a straggler still polls them
             self._wake_r.close()
             self._wake_w.close()
