@@ -2,23 +2,14 @@
 
 A decode engine asks a prefill engine's listener for the handshake metadata of
 one PP rank (every TP rank's :class:`~pdfsm.events.RankInfo`, keyed by
-(pp_rank, tp_rank)) and reports the outcome to its core as exactly one
-:class:`~pdfsm.events.HandshakeDone` or :class:`~pdfsm.events.HandshakeFailed`
-per attempt. The engine machine, not this module, validates the reply
-(compatibility hash, engine id, layout, PP support, in that order); this module
-only enforces what the wire guarantees: schema, sizes, authentication, and that
-the reply answers the request that was sent (nonce and pp_rank).
+(pp_rank, tp_rank)) and reports exactly one :class:`~pdfsm.events.HandshakeDone`
+or :class:`~pdfsm.events.HandshakeFailed` per attempt to its core. The engine
+machine validates the reply (compatibility hash, engine id, layout, PP support,
+in that order); this module only enforces what the wire guarantees: schema,
+sizes, authentication, and that the reply answers the request sent (nonce and
+pp_rank). Frame, both directions (docs/side-channel.md)::
 
-Frame (every message, both directions)::
-
-    magic "PDSC" | flags u16 | reserved u16 (0) | body length u32 | body | [HMAC-SHA256, 32 bytes]
-
-The length is checked against the receiver's cap before a byte of the body is
-read or allocated. Bodies are MessagePack-encoded msgspec Structs (a tagged
-union); nothing is ever unpickled. With a shared secret, bit 0 of ``flags``
-is set and the MAC covers a direction label, the header and the body; a
-missing, unexpected or wrong MAC fails closed on both sides. See
-docs/side-channel.md.
+    "PDSC" | flags u16 | reserved u16 (0) | body length u32 | msgpack body | [HMAC-SHA256, 32 bytes]
 """
 
 from __future__ import annotations
@@ -132,18 +123,10 @@ class _RequestProbe(msgspec.Struct, frozen=True, tag="handshake"):
     version: int
 
 
-class _ReplyProbe(msgspec.Struct, frozen=True, tag="reply"):
-    pass
-
-
-class _ErrorProbe(msgspec.Struct, frozen=True, tag="error"):
-    pass
-
-
 request_codec: Final[Codec[HandshakeRequest]] = Codec("side-channel request", HandshakeRequest, MAX_REQUEST_BYTES)
 response_codec: Final[Codec[Response]] = Codec("side-channel reply", Response, MAX_REPLY_BYTES)  # type: ignore[arg-type]
-_probe_codec: Final[Codec[_RequestProbe | _ReplyProbe | _ErrorProbe]] = Codec(
-    "side-channel request", _RequestProbe | _ReplyProbe | _ErrorProbe, MAX_REQUEST_BYTES)  # type: ignore[arg-type]
+_probe_codec: Final[Codec[_RequestProbe | Response]] = Codec(  # a well-formed reply sent to us is "wrong-type"
+    "side-channel request", _RequestProbe | Response, MAX_REQUEST_BYTES)  # type: ignore[arg-type]
 
 
 def check_reply(reply: HandshakeReply) -> None:
@@ -247,11 +230,12 @@ class SideChannelError(PdfsmError):
 
 
 class _FrameError(WireError):
-    """A frame refused before its body was decoded; ``code`` is the :class:`ErrorCode` to answer."""
+    """A frame or request refused; ``code`` is the :class:`ErrorCode` to answer, ``cause`` (our own
+    side's failure) is logged with its traceback."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.cause = code, cause
 
 
 class _PeerClosed(Exception):
@@ -259,12 +243,6 @@ class _PeerClosed(Exception):
         super().__init__(f"peer closed after {got} of {wanted} bytes")
         self.got = got
         self.empty = False  # closed before the first byte of a frame
-
-
-class _Refusal(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _Stopped(Exception):
@@ -381,19 +359,12 @@ class SideChannelServer:
         except OSError:
             self._sock.close()
             raise
+        name = self._sock.getsockname()
+        self.address: Final[tuple[str, int]] = (str(name[0]), int(name[1]))  # as bound
+        self.port: Final = self.address[1]
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._accept_loop, name=f"pdfsm-sidechannel:{self.port}",
                                         daemon=True)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """The bound (host, port)."""
-        name = self._sock.getsockname()
-        return str(name[0]), int(name[1])
-
-    @property
-    def port(self) -> int:
-        return self.address[1]
 
     @property
     def alive(self) -> bool:
@@ -454,7 +425,7 @@ class SideChannelServer:
             peer_name = f"{peer[0]}:{peer[1]}"
             if not self._slots.acquire(blocking=False):
                 self._refuse(conn, peer_name, ErrorCode.BUSY, "too many concurrent handshakes; retry later",
-                             time.monotonic() + min(0.2, self.io_timeout))
+                             busy=True)
                 conn.close()
                 continue
             t = threading.Thread(target=self._serve, args=(conn, peer_name), daemon=True,
@@ -467,9 +438,24 @@ class SideChannelServer:
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
-            self._handle(conn, peer)
+            request, out = self._answer(conn)
+            _send_all(conn, pack_frame(out, secret=self.secret, kind="reply"), time.monotonic() + self.io_timeout,
+                      self._wake_r)
+            with self._lock:
+                self.served += 1
+            _log.debug("side channel served", peer=peer, requester=request.engine_id, pp_rank=request.pp_rank)
+            _finish(conn, self._wake_r)
+        except _FrameError as exc:
+            self._refuse(conn, peer, exc.code, str(exc), cause=exc.cause)
+        except _PeerClosed:  # closed before sending a byte (a health check): counted, not logged
+            with self._lock:
+                self.refused["empty"] += 1
         except _Stopped:
             pass
+        except OSError as exc:  # reset, or a reply that could not be written in time: no reply possible
+            with self._lock:
+                self.refused["connection-error"] += 1
+            _log.warning("side channel refused a request", peer=peer, code="connection-error", error=repr(exc))
         except Exception as exc:  # noqa: BLE001 - a bug here must not kill the listener; counted, logged
             with self._lock:
                 self.crashes += 1
@@ -480,30 +466,8 @@ class SideChannelServer:
                 self._handlers.discard(threading.current_thread())
             self._slots.release()
 
-    def _handle(self, conn: socket.socket, peer: str) -> None:
-        try:
-            request, out = self._answer(conn)
-        except _Refusal as exc:
-            return self._refuse(conn, peer, exc.code, str(exc))
-        except _PeerClosed:  # closed before sending a byte (a health check): counted, not logged
-            with self._lock:
-                self.refused["empty"] += 1
-            return None
-        except OSError as exc:  # reset mid-request: no reply possible
-            with self._lock:
-                self.refused["connection-error"] += 1
-            _log.warning("side channel refused a request", peer=peer, code="connection-error", error=str(exc))
-            return None
-        _send_all(conn, pack_frame(out, secret=self.secret, kind="reply"), time.monotonic() + self.io_timeout,
-                  self._wake_r)
-        with self._lock:
-            self.served += 1
-        _log.debug("side channel served", peer=peer, requester=request.engine_id, pp_rank=request.pp_rank)
-        _finish(conn, self._wake_r)
-        return None
-
     def _answer(self, conn: socket.socket) -> tuple[HandshakeRequest, bytes]:
-        """Read one request and encode its reply, or raise :class:`_Refusal` saying why not."""
+        """Read one request and encode its reply, or raise :class:`_FrameError` saying why not."""
         try:
             body = _read_frame(conn, cap=MAX_REQUEST_BYTES, secret=self.secret, kind="request",
                                deadline=time.monotonic() + self.io_timeout, stop=self._wake_r)
@@ -511,29 +475,28 @@ class SideChannelServer:
         except _PeerClosed as exc:
             if exc.empty:
                 raise
-            raise _Refusal(ErrorCode.TRUNCATED, f"truncated request: {exc}") from None
+            raise _FrameError(ErrorCode.TRUNCATED, f"truncated request: {exc}") from None
         except TimeoutError:
-            raise _Refusal(ErrorCode.TIMEOUT, f"no complete request within {self.io_timeout} s") from None
+            raise _FrameError(ErrorCode.TIMEOUT, f"no complete request within {self.io_timeout} s") from None
+        except _FrameError:
+            raise
         except WireError as exc:
-            raise _Refusal(exc.code if isinstance(exc, _FrameError) else ErrorCode.MALFORMED, str(exc)) from None
+            raise _FrameError(ErrorCode.MALFORMED, str(exc)) from None
         if not isinstance(probe, _RequestProbe):
-            got = "reply" if isinstance(probe, _ReplyProbe) else "error reply"
-            raise _Refusal(ErrorCode.WRONG_TYPE, f"expected a handshake request, got a {got}")
+            got = "reply" if isinstance(probe, ReplyMessage) else "error reply"
+            raise _FrameError(ErrorCode.WRONG_TYPE, f"expected a handshake request, got a {got}")
         if probe.version != PROTOCOL_VERSION:
-            raise _Refusal(ErrorCode.UNSUPPORTED_VERSION,
-                           f"this listener speaks version {PROTOCOL_VERSION}; the request has {probe.version}")
+            raise _FrameError(ErrorCode.UNSUPPORTED_VERSION,
+                              f"this listener speaks version {PROTOCOL_VERSION}; the request has {probe.version}")
         try:
             request = request_codec.decode(body)
-        except WireError as exc:
-            raise _Refusal(ErrorCode.MALFORMED, str(exc)) from None
-        try:
             reply = self.reply_for(request.pp_rank)
+        except WireError as exc:
+            raise _FrameError(ErrorCode.MALFORMED, str(exc)) from None
         except LookupError as exc:
-            raise _Refusal(ErrorCode.NO_SUCH_RANK, f"no handshake metadata for pp_rank {request.pp_rank}: {exc}") \
-                from None
+            raise _FrameError(ErrorCode.NO_SUCH_RANK, f"no metadata for pp_rank {request.pp_rank}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the caller's code: logged in full, named to the peer
-            _log.exception("side channel reply_for raised", pp_rank=request.pp_rank, error=repr(exc))
-            raise _Refusal(ErrorCode.INTERNAL, f"reply_for raised {type(exc).__name__}") from None
+            raise _FrameError(ErrorCode.INTERNAL, f"reply_for raised {type(exc).__name__}", exc) from None
         try:
             if not isinstance(reply, HandshakeReply):
                 raise WireError(f"reply_for returned {type(reply).__name__}, not a HandshakeReply")
@@ -543,31 +506,34 @@ class SideChannelServer:
             if len(out) > self.max_reply_bytes:
                 raise WireError(f"reply of {len(out)} bytes exceeds the cap of {self.max_reply_bytes}")
         except WireError as exc:
-            _log.error("side channel cannot send its reply", pp_rank=request.pp_rank, error=str(exc))
-            raise _Refusal(ErrorCode.INTERNAL, str(exc)) from None
+            raise _FrameError(ErrorCode.INTERNAL, f"cannot send the reply: {exc}", exc) from None
         return request, out
 
-    def _refuse(self, conn: socket.socket, peer: str, code: str, message: str,
-                deadline: float | None = None) -> None:
-        """Count and log the refusal once, then send an ErrorReply if the peer can still take one."""
+    def _refuse(self, conn: socket.socket, peer: str, code: str, message: str, *,
+                cause: BaseException | None = None, busy: bool = False) -> None:
+        """Count and log the refusal once, then send an ErrorReply if the peer can still take one.
+
+        ``busy`` refusals run on the accept thread: a short write window and almost no drain."""
         with self._lock:
             self.refused[code] += 1
-        _log.warning("side channel refused a request", peer=peer, code=code, error=message)
+        log = _log.error if code == ErrorCode.INTERNAL else _log.warning
+        log("side channel refused a request", peer=peer, code=code, error=message, exc_info=cause)
         body = response_codec.encode(ErrorReply(code=code, message=message[:MAX_MESSAGE_CHARS]))
+        window = min(0.2 if busy else 1.0, self.io_timeout)
         try:
-            _send_all(conn, pack_frame(body, secret=self.secret, kind="reply"),
-                      deadline if deadline is not None else time.monotonic() + min(1.0, self.io_timeout),
+            _send_all(conn, pack_frame(body, secret=self.secret, kind="reply"), time.monotonic() + window,
                       self._wake_r)
-            _finish(conn, self._wake_r)
-        except (OSError, TimeoutError):
-            pass  # the peer is gone or stuck; the refusal is already counted
+            _finish(conn, self._wake_r, linger=0.02 if busy else 0.2)
+        except (OSError, TimeoutError, _Stopped):
+            pass  # the peer is gone or stuck, or we are closing; the refusal is already counted
 
 
-def _finish(conn: socket.socket, stop: socket.socket | None) -> None:
-    """Half-close, then drain briefly, so closing with unread input does not reset the reply."""
+def _finish(conn: socket.socket, stop: socket.socket | None, linger: float = 0.2) -> None:
+    """Half-close, then drain briefly (until the peer closes, 64 KiB or ``linger`` seconds), so that
+    closing with unread input does not reset the connection before the peer reads our reply."""
     try:
         conn.shutdown(socket.SHUT_WR)
-        deadline, drained = time.monotonic() + 0.2, 0
+        deadline, drained = time.monotonic() + linger, 0
         while drained < 65536:
             try:
                 chunk = conn.recv(4096)
@@ -629,6 +595,8 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
         codec = response_codec if max_reply_bytes == MAX_REPLY_BYTES else Codec(
             "side-channel reply", Response, max_reply_bytes)  # type: ignore[arg-type]
         message = codec.decode(raw)
+        if isinstance(message, ReplyMessage):
+            check_reply(message.reply)
     except SideChannelError:
         raise
     except _Stopped:
@@ -649,19 +617,16 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
             sock.close()
     if isinstance(message, ErrorReply):
         raise SideChannelError("remote", f"{where} refused the handshake: {message.code}: {message.message}")
-    if message.version != PROTOCOL_VERSION:
-        raise SideChannelError("malformed", f"{where}: reply has protocol version {message.version}, "
-                                            f"expected {PROTOCOL_VERSION}")
-    if message.nonce is None or not hmac.compare_digest(message.nonce, nonce):
-        raise SideChannelError("replayed", f"{where}: the reply answers another request (nonce mismatch): "
-                                           "replayed or misrouted")
-    if message.pp_rank != pp_rank:
-        raise SideChannelError("malformed", f"{where}: asked for pp_rank {pp_rank}, the reply is for "
-                                            f"pp_rank {message.pp_rank}")
-    try:
-        check_reply(message.reply)
-    except WireError as exc:
-        raise SideChannelError("malformed", f"{where}: {exc}") from None
+    for bad, kind, what in (
+        (message.version != PROTOCOL_VERSION, "malformed",
+         f"reply has protocol version {message.version}, expected {PROTOCOL_VERSION}"),
+        (message.nonce is None or not hmac.compare_digest(message.nonce, nonce), "replayed",
+         "the reply answers another request (nonce mismatch): replayed or misrouted"),
+        (message.pp_rank != pp_rank, "malformed",
+         f"asked for pp_rank {pp_rank}, the reply is for pp_rank {message.pp_rank}"),
+    ):
+        if bad:
+            raise SideChannelError(kind, f"{where}: {what}")
     return message.reply
 
 
