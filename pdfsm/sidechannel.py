@@ -132,25 +132,16 @@ _probe_codec: Final[Codec[_RequestProbe | Response]] = Codec(  # a well-formed r
 def check_reply(reply: HandshakeReply) -> None:
     """Refuse a reply with a field out of the wire's bounds (WireError). Bounds only: whether the
     values are right for this engine is the engine machine's decision."""
-    problems: list[str] = []
-    if len(reply.engine_id) > MAX_ID_CHARS:
-        problems.append(f"engine_id longer than {MAX_ID_CHARS} characters")
-    if len(reply.compat_hash) > MAX_HASH_CHARS:
-        problems.append(f"compat_hash longer than {MAX_HASH_CHARS} characters")
-    for name, value, top in (("tp_size", reply.tp_size, MAX_RANKS), ("pp_size", reply.pp_size, MAX_RANKS),
-                             ("block_size", reply.block_size, 1 << 31), ("num_blocks", reply.num_blocks, 1 << 48)):
-        if not 0 <= value <= top:
-            problems.append(f"{name} {value} outside 0..{top}")
-    if len(reply.ranks) > MAX_RANKS:
-        problems.append(f"{len(reply.ranks)} ranks, more than {MAX_RANKS}")
-    else:
-        for i, r in enumerate(reply.ranks):
-            if not (0 <= r.pp_rank < MAX_RANKS and 0 <= r.tp_rank < MAX_RANKS):
-                problems.append(f"ranks[{i}]: rank ({r.pp_rank}, {r.tp_rank}) outside 0..{MAX_RANKS - 1}")
-            if len(r.agent) > MAX_ID_CHARS:
-                problems.append(f"ranks[{i}]: agent longer than {MAX_ID_CHARS} characters")
-            if len(r.metadata) > MAX_METADATA_BYTES:
-                problems.append(f"ranks[{i}]: {len(r.metadata)} bytes of metadata, more than {MAX_METADATA_BYTES}")
+    rows = [("len(engine_id)", len(reply.engine_id), MAX_ID_CHARS),
+            ("len(compat_hash)", len(reply.compat_hash), MAX_HASH_CHARS),
+            ("tp_size", reply.tp_size, MAX_RANKS), ("pp_size", reply.pp_size, MAX_RANKS),
+            ("block_size", reply.block_size, 1 << 31), ("num_blocks", reply.num_blocks, 1 << 48),
+            ("len(ranks)", len(reply.ranks), MAX_RANKS)]
+    for i, r in enumerate(reply.ranks[:MAX_RANKS]):
+        rows += [(f"ranks[{i}].pp_rank", r.pp_rank, MAX_RANKS - 1), (f"ranks[{i}].tp_rank", r.tp_rank, MAX_RANKS - 1),
+                 (f"len(ranks[{i}].agent)", len(r.agent), MAX_ID_CHARS),
+                 (f"len(ranks[{i}].metadata)", len(r.metadata), MAX_METADATA_BYTES)]
+    problems = [f"{name} = {value}, outside 0..{top}" for name, value, top in rows if not 0 <= value <= top]
     if problems:
         raise WireError("handshake reply out of bounds: " + "; ".join(problems[:4]))
 
@@ -164,11 +155,8 @@ def _check_secret(secret: bytes | None) -> bytes | None:
     return secret
 
 
-def _mac(secret: bytes, kind: Kind, header: bytes | bytearray, body: bytes | bytearray | memoryview) -> bytes:
-    m = hmac.new(secret, _LABELS[kind], hashlib.sha256)
-    m.update(header)
-    m.update(body)
-    return m.digest()
+def _mac(secret: bytes, kind: Kind, header: bytes | bytearray, body: bytes | bytearray) -> bytes:
+    return hmac.new(secret, b"".join((_LABELS[kind], header, body)), hashlib.sha256).digest()
 
 
 def pack_frame(body: bytes, *, secret: bytes | None, kind: Kind) -> bytes:
@@ -216,9 +204,6 @@ def unpack_frame(data: bytes, *, secret: bytes | None, kind: Kind, cap: int) -> 
     body = data[HEADER.size:HEADER.size + length]
     _verify(secret, kind, flags, header=data[:HEADER.size], body=body, mac=data[HEADER.size + length:])
     return body
-
-
-# --- errors ------------------------------------------------------------------------------------
 
 
 class SideChannelError(PdfsmError):
@@ -306,25 +291,18 @@ def _read_frame(sock: socket.socket, *, cap: int, secret: bytes | None, kind: Ki
     return body
 
 
-def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, Any]:
-    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    return family, addr
-
-
 # --- the listener --------------------------------------------------------------------------------
 
 
 class SideChannelServer:
     """Answers handshake requests on ``host:port`` (loopback and a free port by default).
 
-    ``reply_for(pp_rank)`` builds the reply (every TP rank's metadata of that PP
-    rank); raising ``LookupError`` means no such rank. One thread accepts; each
-    connection is served by its own thread, at most ``max_connections`` at once
-    (more are answered ``busy``). A connection gets ``io_timeout`` seconds to
-    send its request and again to take the reply. Anything wrong gets an
-    :class:`ErrorReply` when one can still be sent, is counted in
-    :attr:`refused` and logged once; the listener keeps serving.
-    """
+    ``reply_for(pp_rank)`` builds the reply (every TP rank's metadata of that PP rank; it
+    must not block); raising ``LookupError`` means no such rank. One thread accepts; each
+    connection gets its own thread, at most ``max_connections`` at once (more are answered
+    ``busy``), and ``io_timeout`` seconds to send its request, again to take the reply.
+    Anything wrong gets an :class:`ErrorReply` when one can still be sent, is counted in
+    :attr:`refused` and logged once; the listener keeps serving."""
 
     def __init__(self, reply_for: Callable[[int], HandshakeReply], *, host: str = "127.0.0.1", port: int = 0,
                  secret: bytes | None = None, io_timeout: float = 5.0, max_connections: int = 16,
@@ -337,9 +315,8 @@ class SideChannelServer:
         self.secret = _check_secret(secret)
         self.io_timeout = io_timeout
         self.max_reply_bytes = max_reply_bytes
-        self.refused: Counter[str] = Counter()
-        self.served = 0
-        self.crashes = 0
+        self.refused: Counter[str] = Counter()  # by ErrorCode, plus "empty" and "connection-error"
+        self.served = self.crashes = 0
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._handlers: set[threading.Thread] = set()
@@ -347,7 +324,7 @@ class SideChannelServer:
         if host in ("0.0.0.0", "::"):
             _log.warning("side channel listening on every interface, as configured", host=host,
                          hmac=secret is not None)
-        family, addr = _resolve(host, port)
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -375,8 +352,7 @@ class SideChannelServer:
         _log.info("side channel listening", host=self.address[0], port=self.port, hmac=self.secret is not None)
         return self
 
-    def __enter__(self) -> SideChannelServer:
-        return self.start()
+    __enter__ = start
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -392,18 +368,17 @@ class SideChannelServer:
             if self._closed:
                 return
             self._closed = True
-            handlers = list(self._handlers)
         self._wake_w.send(b"x")  # never drained: every poll on _wake_r sees it from now on
         if self._thread.is_alive():
             self._thread.join(timeout)
+        with self._lock:  # after the accept thread stopped: no handler can be added any more
+            handlers = list(self._handlers)
         for t in handlers:
             t.join(timeout)
         self._sock.close()
         if not self._thread.is_alive() and not any(t.is_alive() for t in handlers):
             self._wake_r.close()  # otherwise left to the garbage collector: a straggler still polls it
             self._wake_w.close()
-
-    # --- accept thread ---
 
     def _accept_loop(self) -> None:
         poller = select.poll()
@@ -432,9 +407,14 @@ class SideChannelServer:
                                  name=f"pdfsm-sidechannel-conn:{peer_name}")
             with self._lock:
                 self._handlers.add(t)
-            t.start()
-
-    # --- connection threads ---
+            try:
+                t.start()
+            except RuntimeError as exc:  # no thread to be had: refuse this one, keep listening
+                with self._lock:
+                    self._handlers.discard(t)
+                self._slots.release()
+                self._refuse(conn, peer_name, ErrorCode.BUSY, f"cannot serve now: {exc}", busy=True)
+                conn.close()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -478,10 +458,8 @@ class SideChannelServer:
             raise _FrameError(ErrorCode.TRUNCATED, f"truncated request: {exc}") from None
         except TimeoutError:
             raise _FrameError(ErrorCode.TIMEOUT, f"no complete request within {self.io_timeout} s") from None
-        except _FrameError:
-            raise
-        except WireError as exc:
-            raise _FrameError(ErrorCode.MALFORMED, str(exc)) from None
+        except WireError as exc:  # a _FrameError already carries its code
+            raise (exc if isinstance(exc, _FrameError) else _FrameError(ErrorCode.MALFORMED, str(exc))) from None
         if not isinstance(probe, _RequestProbe):
             got = "reply" if isinstance(probe, ReplyMessage) else "error reply"
             raise _FrameError(ErrorCode.WRONG_TYPE, f"expected a handshake request, got a {got}")
@@ -529,8 +507,7 @@ class SideChannelServer:
 
 
 def _finish(conn: socket.socket, stop: socket.socket | None, linger: float = 0.2) -> None:
-    """Half-close, then drain briefly (until the peer closes, 64 KiB or ``linger`` seconds), so that
-    closing with unread input does not reset the connection before the peer reads our reply."""
+    """Half-close, then drain (until EOF, 64 KiB or ``linger`` s): unread input must not reset the reply."""
     try:
         conn.shutdown(socket.SHUT_WR)
         deadline, drained = time.monotonic() + linger, 0
@@ -555,12 +532,10 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
                 nonce: bytes | None = None, stop: socket.socket | None = None) -> HandshakeReply:
     """Ask ``host:port`` for the handshake reply of ``pp_rank``; raise :class:`SideChannelError`.
 
-    ``engine_id`` is the requesting (local) engine. ``timeout`` bounds the whole
-    exchange, ``connect_timeout`` the connection. The reply's engine id and
-    compatibility hash are not checked here: that is the engine machine's job.
-    """
-    secret = _check_secret(secret)
-    where = f"side channel {host}:{port}"
+    ``engine_id`` is the requesting (local) engine. ``timeout`` bounds the whole exchange,
+    ``connect_timeout`` the connection. The reply's engine id and compatibility hash are
+    not checked here: that is the engine machine's job."""
+    secret, where = _check_secret(secret), f"side channel {host}:{port}"
     start = time.monotonic()
     deadline = start + timeout
     nonce = nonce if nonce is not None else secrets.token_bytes(16)
@@ -572,17 +547,15 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
     sock: socket.socket | None = None
     phase = "connect"
     try:
-        family, addr = _resolve(host, port)
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         err = sock.connect_ex(addr)
-        if err not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
-            raise OSError(err, os.strerror(err))
-        if err:
+        if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
             _wait(sock, select.POLLOUT, min(deadline, start + connect_timeout), stop)
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err))
+        if err:
+            raise OSError(err, os.strerror(err))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         phase = "exchange"
         _send_all(sock, pack_frame(body, secret=secret, kind="request"), deadline, stop)
@@ -636,11 +609,9 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
 class SideChannelHandshaker:
     """The :class:`~transports.base.Handshaker` over the side channel.
 
-    :meth:`start` queues the attempt on a small thread pool and returns; the
-    worker submits exactly one HandshakeDone or HandshakeFailed for it (unless
-    :meth:`close` abandoned it first). Nothing the reply says about the remote
-    engine is judged here; the engine machine validates it in order.
-    """
+    :meth:`start` queues the attempt on a small thread pool and returns; the worker submits
+    exactly one HandshakeDone or HandshakeFailed for it (unless :meth:`close` abandoned it
+    first). What the reply says about the remote engine is judged by the engine machine."""
 
     def __init__(self, local_engine_id: str, *, secret: bytes | None = None, connect_timeout: float = 2.0,
                  timeout: float = 5.0, max_workers: int = 4, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
