@@ -15,7 +15,8 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdfsm.commands import StartHandshake
+from pdfsm.commands import HandOff, StartHandshake
+from pdfsm.connector import Connector
 from pdfsm.core import Core
 from pdfsm.engine import EngineState
 from pdfsm.errors import EngineIdMismatch
@@ -41,6 +42,7 @@ from pdfsm.sidechannel import (
     unpack_frame,
 )
 from pdfsm.wire import MAX_ID_CHARS, WireError
+from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
 SECRET = b"pdfsm-test-secret-0123456789abcd"
 OTHER = b"pdfsm-other-secret-0123456789abc"
@@ -277,6 +279,40 @@ def test_core_fails_when_the_handshake_fails() -> None:
     assert core.engines[("P", 0)].state is EngineState.FAILED
 
 
+def test_two_connectors_transfer_over_a_real_side_channel() -> None:
+    """Prefill and decode connectors: the handshake crosses loopback TCP (with HMAC), the blocks and
+    notifications the simulated transport."""
+    net = SimNetwork()
+    p_xfer, d_xfer = SimTransport(net, "P0"), SimTransport(net, "D0")
+    p_xfer.fill([2, 3])
+    with SideChannelServer(lambda pp: HandshakeReply(engine_id="P", compat_hash="h", tp_size=1,
+                                                      num_blocks=64, ranks=(p_xfer.rank_info(),)),
+                           secret=SECRET) as server:
+        prefill = Connector(CoreConfig(engine_id="P", compat_hash="h"), p_xfer, SimHandshaker(net),
+                            port=server.port)
+        decode = Connector(CoreConfig(engine_id="D", compat_hash="h"), d_xfer,
+                           SideChannelHandshaker("D", secret=SECRET))
+        try:
+            params = prefill.request_finished("p1", [2, 3])
+            assert (params.remote_host, params.remote_port) == ("127.0.0.1", server.port)
+            decode.load("r1", [1, 5], params)
+            received: set[str] = set()
+            sent: set[str] = set()
+            failed: list[HandOff] = []
+            deadline = time.monotonic() + 10
+            while not (received and sent) and time.monotonic() < deadline:
+                received |= decode.get_finished()[1]
+                failed += decode.last.failed
+                sent |= prefill.get_finished()[0]
+                time.sleep(0.005)
+            assert received == {"r1"} and sent == {"p1"} and not failed
+            assert d_xfer.block(1) == pattern("P0", 2, 64) and d_xfer.block(5) == pattern("P0", 3, 64)
+        finally:
+            decode.shutdown()
+            prefill.shutdown()
+        assert server.stats()["served"] == 1
+
+
 # --- HMAC and replay --------------------------------------------------------------------------
 
 
@@ -370,7 +406,7 @@ def test_silent_server_fails_within_the_deadline() -> None:
     try:
         t0 = time.monotonic()
         hs.start(cmd(fake.port))
-        assert time.monotonic() - t0 < 0.1  # start never blocks
+        assert time.monotonic() - t0 < 0.25  # start never blocks (the deadline is 0.5 s)
         ev = inbox.get()
         elapsed = time.monotonic() - t0
     finally:
@@ -555,6 +591,7 @@ def test_fuzz_listener_never_crashes(fuzz_servers: dict[str, SideChannelServer],
         if isinstance(got, ReplyMessage):
             assert got.reply == reply_for(got.pp_rank)
     assert s.alive and s.stats()["crashes"] == 0
+    assert fetch_reply("127.0.0.1", s.port, engine_id="D", pp_rank=1, secret=secret) == reply_for(1)
 
 
 def test_fuzzed_listeners_still_serve(fuzz_servers: dict[str, SideChannelServer]) -> None:
