@@ -461,16 +461,16 @@ class SideChannelServer:
         except WireError as exc:  # a _FrameError already carries its code
             raise (exc if isinstance(exc, _FrameError) else _FrameError(ErrorCode.MALFORMED, str(exc))) from None
         if not isinstance(probe, _RequestProbe):
-            got = "reply" if isinstance(probe, ReplyMessage) else "error reply"
-            raise _FrameError(ErrorCode.WRONG_TYPE, f"expected a handshake request, got a {got}")
+            raise _FrameError(ErrorCode.WRONG_TYPE, f"expected a HandshakeRequest, got {type(probe).__name__}")
         if probe.version != PROTOCOL_VERSION:
             raise _FrameError(ErrorCode.UNSUPPORTED_VERSION,
                               f"this listener speaks version {PROTOCOL_VERSION}; the request has {probe.version}")
         try:
             request = request_codec.decode(body)
-            reply = self.reply_for(request.pp_rank)
         except WireError as exc:
             raise _FrameError(ErrorCode.MALFORMED, str(exc)) from None
+        try:
+            reply = self.reply_for(request.pp_rank)
         except LookupError as exc:
             raise _FrameError(ErrorCode.NO_SUCH_RANK, f"no metadata for pp_rank {request.pp_rank}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - the caller's code: logged in full, named to the peer
@@ -497,10 +497,9 @@ class SideChannelServer:
         log = _log.error if code == ErrorCode.INTERNAL else _log.warning
         log("side channel refused a request", peer=peer, code=code, error=message, exc_info=cause)
         body = response_codec.encode(ErrorReply(code=code, message=message[:MAX_MESSAGE_CHARS]))
-        window = min(0.2 if busy else 1.0, self.io_timeout)
         try:
-            _send_all(conn, pack_frame(body, secret=self.secret, kind="reply"), time.monotonic() + window,
-                      self._wake_r)
+            _send_all(conn, pack_frame(body, secret=self.secret, kind="reply"),
+                      time.monotonic() + min(0.2 if busy else 1.0, self.io_timeout), self._wake_r)
             _finish(conn, self._wake_r, linger=0.02 if busy else 0.2)
         except (OSError, TimeoutError, _Stopped):
             pass  # the peer is gone or stuck, or we are closing; the refusal is already counted
