@@ -81,7 +81,7 @@ class ConsumerRequest:
         self.state: State = S.NEW
         self.req: ReadRequested | None = None
         self.plan: ReadPlan | None = None
-        self.engines: tuple[RemoteEngine, ...] = ()  # engines read from, while reads are in flight
+        self.engines: tuple[RemoteEngine, ...] = ()  # engines held: ready for it, or read from
         self.waiting = 0  # bit p: still waiting for remote engine (engine_id, p)
         self.waited = 0  # bit p: did wait for it (news from it may still be on its way)
         self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
@@ -233,12 +233,26 @@ def _disarm_deadline(m: ConsumerRequest, core: Core) -> None:
         m.deadline = 0
 
 
+def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
+    """Keep ``e`` from being evicted while this request may still read from it."""
+    if e not in m.engines:
+        m.engines = (*m.engines, e)
+        e.readers += 1
+
+
+def _let_go(m: ConsumerRequest) -> None:
+    for e in m.engines:
+        e.readers -= 1
+    m.engines = ()
+
+
 def _stop_waiting(m: ConsumerRequest, core: Core) -> None:
-    """Leave every engine's waiting list and disarm the deadline: nothing of ours is in flight."""
+    """Leave every engine's waiting list, let go of those already ready, disarm the deadline."""
     if m.waiting:
         assert m.req is not None
         core.unwatch(m.request_id, m.req.engine_id, m.waiting)
         m.waiting = 0
+    _let_go(m)
     _disarm_deadline(m, core)
 
 
@@ -251,14 +265,13 @@ def _post_reads(m: ConsumerRequest, core: Core) -> None:
         emit(PostRead(rid, eid, src, req.local_blocks, req.remote_blocks, note))
     m.pending = plan.all_read
     engines = core.engines
-    if len(plan.pp_ranks) == 1:  # no generator: it costs more than the rest of this function
+    if not m.engines and len(plan.pp_ranks) == 1:  # the common case, spelt out: no loop, no generator
         e = engines[(eid, plan.pp_ranks[0])]
         e.readers += 1
         m.engines = (e,)
     else:
-        m.engines = tuple([engines[(eid, pp)] for pp in plan.pp_ranks])
-        for e in m.engines:
-            e.readers += 1
+        for pp in plan.pp_ranks:
+            _hold(m, engines[(eid, pp)])
 
 
 def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -306,6 +319,7 @@ def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 def _engine_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting &= ~(1 << ev.pp_rank)
+    _hold(m, core.engines[(ev.engine_id, ev.pp_rank)])  # a sibling engine may take a while yet
 
 
 def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
@@ -315,6 +329,7 @@ def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
 
 def _notify_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting = 0
+    _let_go(m)
     _disarm_deadline(m, core)
     _notify_unread(m, core)
     core.finished(m, "notified", ev.t_ns)
@@ -404,10 +419,18 @@ def _sibling_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Co
     _stopped(m, ev)
 
 
+def _failed_cancel_rest(m: ConsumerRequest, ev: HandleFailed, core: Core) -> None:
+    """One read failed: the request is failed whatever its siblings do, so stop them now rather
+    than wait for them (a hung read has no timeout of its own)."""
+    _stopped(m, ev)
+    _cancel_reads(m, core)
+
+
 def _late(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     """A read completed after the deadline: it may have copied reused blocks. Not trusted."""
     _stopped(m, ev)
     _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline", True)
+    _cancel_reads(m, core)
 
 
 def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
@@ -424,9 +447,7 @@ def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
 
 def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
     _stopped(m, ev)
-    for e in m.engines:
-        e.readers -= 1
-    m.engines = ()
+    _let_go(m)
     _disarm_deadline(m, core)
     _notify_unread(m, core)
     core.ready(m)
@@ -438,9 +459,7 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     assert plan is not None
     m.done |= m.pending
     m.pending = 0
-    for e in m.engines:
-        e.readers -= 1
-    m.engines = ()
+    _let_go(m)
     if m.deadline:
         core.deadlines.disarm(m.request_id, m.deadline)
         m.deadline = 0
@@ -579,7 +598,7 @@ TABLE: Final[Table] = Table(
             S.READING,
             HandleFailed,
             _not_in_flight_illegal,
-            Go(S.FAILING, _sibling_stopped, when=_siblings_in_flight),
+            Go(S.FAILING, _failed_cancel_rest, when=_siblings_in_flight),
             Go(S.FAILED, _last_stopped),
         ),
         on(S.READING, AbortRequested, Go(S.ABORTING, _abort_reads)),

@@ -89,7 +89,7 @@ class RemoteEngine:
         self.host = ""
         self.port = 0
         self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
-        self.readers = 0  # requests with reads in flight to this engine
+        self.readers = 0  # requests holding it: told it is ready, or reading from it
         self.reply: HandshakeReply | None = None
         self.error: HandshakeError | None = None
         self.retry_at = 0
@@ -297,7 +297,7 @@ TABLE: Final[Table] = Table(
         on(
             S.CONNECTED,
             EvictRequested,
-            Ignore("a transfer is in flight: not evicted", when=_transfers_in_flight),
+            Ignore("a request still holds it (reading, or about to): not evicted", when=_transfers_in_flight),
             Go(S.EVICTED, _drop),
         ),
         on(S.CONNECTED, EngineQuarantined, Go(S.FAILED, _quarantine)),

@@ -121,7 +121,6 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     read_timeout_ns: int = 30_000_000_000
     lease_ns: int = 120_000_000_000
     lease_margin_ns: int = 1_000_000_000  # a consumer stops trusting reads this long before the lease ends
-    staging_ttl_ns: int = 30_000_000_000
     max_staged: int = 4096
     handshake_retry_ns: int = 1_000_000_000
     tombstones: int = 65536

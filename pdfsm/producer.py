@@ -13,7 +13,9 @@ the request already released (vLLM PR 24268). Notifications are counted as
 distinct parts ``part`` of ``of`` (SGLang 39846); a duplicate, a part out of
 range or a disagreement on ``of`` is a remote violation that changes nothing.
 Notifications that arrive before the scheduler registers the request are
-staged, bounded in number and time (vLLM PR 43509); so are heartbeats, whose
+staged, bounded in number and kept one lease (a notification can only follow
+the start of its lease, so a lease later the request cannot still be coming:
+vLLM PR 43509); so are heartbeats, whose
 promise the lease then keeps (the consumer counts on it). Heartbeats extend the
 lease from the local time of their arrival: every deadline here is on this
 core's clock (vLLM PR 50326).
@@ -149,7 +151,7 @@ def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
 def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     _count(m, ev, core)
     m.t_start = ev.t_ns
-    m.deadline = ev.t_ns + core.config.staging_ttl_ns
+    m.deadline = ev.t_ns + core.config.lease_ns  # its lease started before it was sent: keep it a lease
     core.stage(m)
 
 
@@ -158,7 +160,7 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     the staged entry at least until then."""
     m.t_start = ev.t_ns
     m.extended_to = ev.t_ns + ev.extend_ns
-    m.deadline = max(ev.t_ns + core.config.staging_ttl_ns, m.extended_to)
+    m.deadline = max(ev.t_ns + core.config.lease_ns, m.extended_to)
     core.stage(m)
 
 

@@ -83,7 +83,7 @@ def test_vllm_pr_36958_mla_notifications_carry_the_producer_request_id() -> None
     assert post.source.tp_rank == 0 and extra.tp_rank == 1  # read one rank, notify the other
     assert post.notification.request_id == extra.notification.request_id == "prefill-42"
     # On the producer, a notification for a request it never had is a remote violation.
-    prod = make_core(strict=False, engine_id="P", staging_ttl_ns=10)
+    prod = make_core(strict=False, engine_id="P", lease_ns=10)
     prod.apply(ev(NotificationReceived, request_id="decode-local-7", part=0, of=1))
     tick(prod, 100)
     assert prod.violations[Fault.REMOTE] == 1

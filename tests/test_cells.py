@@ -81,7 +81,7 @@ def _consumer(state: str) -> Core:
 
 
 def _producer(state: str) -> Core:
-    core = make_core(engine_id="P", lease_ns=1_000, staging_ttl_ns=1_000)
+    core = make_core(engine_id="P", lease_ns=1_000)
     if state == "STAGED":
         core.apply(ev(NotificationReceived, request_id=PID, part=0, of=2))
     elif state in ("HOLDING", "RELEASED", "EXPIRED"):

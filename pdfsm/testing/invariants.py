@@ -101,6 +101,18 @@ def no_request_waits_on_an_idle_engine(w: World) -> None:
                                "and will never tell it")
 
 
+def nothing_overdue(w: World) -> None:
+    """Right after a tick, every lease and read deadline at or before it has expired."""
+    if w.last_tick != w.now or not w.just_ticked:
+        return
+    for name, core in zip(w._core_names(), w._cores(), strict=True):
+        for table, timers in ((core.consumers, core.deadlines), (core.producers, core.leases)):
+            for key, m in table.items():
+                if m.deadline and m.deadline <= w.last_tick and key in timers:
+                    w.fail(f"{name}: {key} is overdue: its deadline {m.deadline} passed at the tick of "
+                           f"{w.last_tick}, and it is still {m.state}")
+
+
 def transport_only_from_its_owner(w: World) -> None:
     """NIXL is not thread-safe: the transport is called from the owner thread only."""
     if w.transport_calls_off_owner:
@@ -152,7 +164,8 @@ def nothing_left_running(w: World) -> None:
 STEP_INVARIANTS: list[Callable[[World], None]] = [
     reported_at_most_once, no_report_while_reading, failures_carry_their_blocks, notify_only_never_reported,
     received_bytes_are_the_promised_ones, producer_frees_once, leases_expire_on_time,
-    notifications_name_producer_requests, no_request_waits_on_an_idle_engine, transport_only_from_its_owner,
+    notifications_name_producer_requests, no_request_waits_on_an_idle_engine, nothing_overdue,
+    transport_only_from_its_owner,
     pp_only_where_supported, no_local_violation,
 ]
 END_INVARIANTS: list[Callable[[World], None]] = [every_request_reported, every_promise_released,

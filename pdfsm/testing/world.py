@@ -96,7 +96,6 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     policy: Policy = "recompute"
     lease_ns: int = 60
     read_timeout_ns: int = 40
-    staging_ttl_ns: int = 30
     faults: frozenset[str] = FAULTS
     wrong_listener: bool = False  # another engine's listener may answer the handshake
     scheduler_deadlines: bool = False  # the prefill scheduler hands leases as deadlines on its own clock
@@ -168,7 +167,7 @@ class World:
             if self.variant.timers is not None:
                 timers = (self.variant.timers(), self.variant.timers())
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
-                                read_timeout_ns=s.read_timeout_ns, staging_ttl_ns=s.staging_ttl_ns,
+                                read_timeout_ns=s.read_timeout_ns,
                                 lease_margin_ns=s.lease_margin_ns, handshake_retry_ns=10, **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
                         logger=_QUIET)
@@ -191,6 +190,9 @@ class World:
         self.registered: dict[tuple[str, str], int] = {}  # (producer agent, rid) -> time registered
         self.lease_from: dict[tuple[str, str], int] = {}  # when the lease started, on the worker's clock
         self.lease_seen: dict[int, int] = {}  # what the decode scheduler knows of each lease's start
+        self.delivered: dict[tuple[str, str], set[tuple[int, int]]] = {}  # (producer core, rid) -> parts
+        self.last_tick = -1
+        self.just_ticked = False
         self._sent = 0
         self.requested: set[tuple[int, str]] = set()
         self.notifications: list[Notification] = []
@@ -314,6 +316,7 @@ class World:
 
     def choose(self, choice: Choice) -> None:
         """Make one choice, then check every invariant."""
+        self.just_ticked = False
         self.step_no += 1
         self.journal.append(f"{self.step_no:3d}. {choice.name}")
         if not self.settling:
@@ -400,6 +403,8 @@ class World:
 
     def _tick(self, dt: int) -> None:
         self.now += dt
+        self.last_tick = self.now
+        self.just_ticked = True
         for name in self._core_names():
             self.apply(name, self._ev(Tick))
 
@@ -551,6 +556,8 @@ class World:
         if how == "drop":
             return
         ev = self._ev(NotificationReceived, request_id=note.request_id, part=note.part, of=note.of, sender=sender)
+        parts = self.delivered.setdefault((target, note.request_id), set())
+        parts.add((note.part, note.of))
         self.apply(target, ev)
         if how == "dup":
             self.apply(target, ev)
@@ -558,6 +565,12 @@ class World:
     def _freed(self, name: str, cmd: FinishedSending) -> None:
         pp, tp = (int(x) for x in name[1:].split("."))
         agent = self.agent("P", pp, tp)
+        parts = self.delivered.get((name, cmd.request_id), set())
+        in_time = self.registered.get((agent, cmd.request_id), 0) < self.lease_from.get((agent, cmd.request_id), 0) \
+            + self.s.lease_ns  # registered after its lease ended: expiring at once is right
+        if cmd.expired and in_time and parts and len(parts) == next(iter(parts))[1]:
+            self.fail(f"{name} kept {cmd.request_id} until its lease expired although every consumer part "
+                      f"had notified it: {sorted(parts)}")
         self.freed.setdefault((agent, cmd.request_id), []).append(cmd)
         for b in cmd.block_ids:  # the blocks are reused at once: a late read copies other data
             self.version[(agent, b)] = self.version.get((agent, b), 0) + 1
