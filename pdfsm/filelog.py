@@ -285,7 +285,7 @@ def write_segment(
     meta: Mapping[str, Any],
     wall_ns: int,
     mono_ns: int,
-    batch_records: int = 4096,
+    batch_records: int = 256,
     start_seq: int | None = None,
 ) -> None:
     """Write one complete segment synchronously with fixed salt and times (golden files, tools)."""

@@ -68,6 +68,7 @@ from pdfsm.log import Overflow, Row
 __all__ = ["FileSink", "FsyncPolicy"]
 
 _IOV_MAX: Final = 512  # iovecs per writev, under every platform's IOV_MAX
+_FLUSH_BYTES: Final = 1 << 20  # write out at least this often: big writes stall on dirty-page throttling
 
 
 class FsyncPolicy(msgspec.Struct, frozen=True):
@@ -137,7 +138,7 @@ class FileSink:
         keep_segments: int | None = None,
         queue_rows: int = 1 << 18,
         overflow: Overflow = Overflow.BLOCK,
-        batch_records: int = 4096,
+        batch_records: int = 256,
         metadata: Mapping[str, Any] | None = None,
         on_ack: Callable[[int], None] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME,
@@ -378,7 +379,7 @@ class FileSink:
         if self._seg_size + self._pending >= self.segment_bytes:
             self._flush()
             self._rotate()
-        elif len(self._iov) >= _IOV_MAX:
+        elif len(self._iov) >= _IOV_MAX or self._pending >= _FLUSH_BYTES:
             self._flush()
 
     def _flush(self) -> None:

@@ -1,0 +1,257 @@
+"""Durable log throughput: FileSink appends and LogReader replay against plain msgpack.
+
+Rows come from a real :class:`~pdfsm.core.Core` driven through request lifecycles
+(consumer reads with handshakes, notify-only requests, producer holds and
+releases, failures), so their sizes and event mix are what an engine logs.
+
+- append: ``FileSink.write`` of every batch then ``close`` (which writes the rest
+  and fsyncs), with fsync ``never`` and ``every 10 ms``. Baseline, same process:
+  ``Encoder.encode(batch)`` written with a 4-byte length prefix (the least framing
+  that can be read back), fdatasync every 10 ms where the policy asks, and at the end.
+- replay: ``LogReader.batches()`` (CRC, chain and seq checks, decode into
+  ``Record``). Baseline: read the baseline file back and ``Decoder(list[Record])``
+  each batch.
+
+Rounds are interleaved (baseline, pdfsm, baseline, ...) and medians reported;
+ratios are pdfsm time over baseline time (lower is better).
+
+    PYTHONPATH=$PWD python benchmarks/log.py [--rows 300000] [--batch 1024] [--rounds 7] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import shutil
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from pdfsm.core import Core
+from pdfsm.events import (
+    AbortRequested,
+    BlocksHeld,
+    Collect,
+    CoreConfig,
+    Deadline,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeDone,
+    HandshakeReply,
+    Heartbeat,
+    NotificationReceived,
+    PeerAdded,
+    RankInfo,
+    ReadRequested,
+    Tick,
+)
+from pdfsm.filelog import LogReader
+from pdfsm.filesink import FileSink, FsyncPolicy
+from pdfsm.log import EventLog, MemorySink, Record, Row
+
+_LEN = struct.Struct("<I")
+
+
+def make_rows(n: int) -> list[Row]:
+    """At least ``n`` rows from a core driven through mixed request lifecycles."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    sink = MemorySink()
+    log = EventLog(sink=sink, window=1024)
+    core = Core(CoreConfig(engine_id="decode-0", tp_size=2, compat_hash="c0ffee"), log)
+    t = 1_000
+    engines = [f"prefill-{e}" for e in range(4)]
+    for e, engine_id in enumerate(engines):
+        rid = f"warm-{e}"
+        core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
+                                  engine_id=engine_id, host="10.0.0.7", port=5600 + e,
+                                  local_blocks=(1,), remote_blocks=(2,)))
+        core.pump()
+        reply = HandshakeReply(engine_id=engine_id, compat_hash="c0ffee", tp_size=2, num_blocks=4096,
+                               ranks=tuple(RankInfo(pp_rank=0, tp_rank=r, agent=f"{engine_id}-agent-{r}",
+                                                    metadata=b"\x00" * 64) for r in range(2)))
+        core.submit(HandshakeDone(source="handshake", t_ns=t + 1, engine_id=engine_id, pp_rank=0, attempt=1,
+                                  reply=reply))
+        core.submit(PeerAdded(source="handshake", t_ns=t + 2, engine_id=engine_id, pp_rank=0, attempt=1))
+        core.submit(HandleDone(source="xfer-0", t_ns=t + 3, request_id=rid, pp_rank=0, tp_rank=0))
+        core.pump()
+    i = 0
+    while log.next_seq < n:
+        i += 1
+        t += 1_000_000
+        rid = f"cmpl-{i:08d}-decode"
+        engine_id = engines[i % len(engines)]
+        kind = i % 10
+        if kind < 6:  # a normal read, sometimes with a deadline
+            blocks = tuple(range(i % 97, i % 97 + 1 + i % 13))
+            deadline = Deadline("monotonic", t + 5_000_000_000) if i % 3 == 0 else None
+            core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
+                                      engine_id=engine_id, host="10.0.0.7", port=5600, local_blocks=blocks,
+                                      remote_blocks=tuple(b + 1000 for b in blocks), deadline=deadline))
+            core.submit(HandleDone(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0))
+        elif kind == 6:  # a failed read
+            core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
+                                      engine_id=engine_id, local_blocks=(5, 6), remote_blocks=(7, 8)))
+            core.submit(HandleFailed(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0,
+                                     why=HandleFailure.ERR, detail="NIXL_ERR_REMOTE_DISCONNECT"))
+        elif kind == 7:  # an abort while reading
+            core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
+                                      engine_id=engine_id, local_blocks=(9,), remote_blocks=(10,)))
+            core.submit(AbortRequested(source="scheduler", t_ns=t + 5, request_id=rid))
+            core.submit(HandleDone(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0))
+        else:  # producer side: hold, heartbeat, notification
+            core.submit(BlocksHeld(source="scheduler", t_ns=t, request_id=rid, block_ids=(1, 2, 3, 4)))
+            core.submit(Heartbeat(source="listener", t_ns=t + 1, request_id=rid, extend_ns=1_000_000_000,
+                                  sender="decode-0:0"))
+            core.submit(NotificationReceived(source="notify", t_ns=t + 2, request_id=rid, part=0, of=1,
+                                             sender="decode-0:0"))
+        core.submit(Collect(source="scheduler", t_ns=t + 20, step=i))
+        if i % 50 == 0:
+            core.submit(Tick(source="timer", t_ns=t + 30))
+        core.pump()
+    log.close()
+    return sink.rows[:n]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    gc.collect()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def base_append(path: Path, batches: list[list[Row]], interval_ns: int | None) -> None:
+    encode = msgspec.msgpack.Encoder().encode
+    pack = _LEN.pack
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    last = time.monotonic_ns()
+    for batch in batches:
+        payload = encode(batch)
+        os.writev(fd, [pack(len(payload)), payload])
+        if interval_ns is not None and time.monotonic_ns() - last >= interval_ns:
+            os.fdatasync(fd)
+            last = time.monotonic_ns()
+    os.fdatasync(fd)
+    os.close(fd)
+
+
+def base_replay(path: Path) -> int:
+    decode = msgspec.msgpack.Decoder(list[Record]).decode
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            head = f.read(4)
+            if not head:
+                return n
+            n += len(decode(f.read(_LEN.unpack(head)[0])))
+
+
+def pdfsm_append(path: Path, batches: list[list[Row]], policy: FsyncPolicy) -> FileSink:
+    sink = FileSink(path, fsync=policy)
+    t0 = time.perf_counter()
+    for batch in batches:
+        sink.write(batch)
+    sink.close()
+    sink.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
+    return sink
+
+
+def pdfsm_replay(path: Path) -> int:
+    n = 0
+    for batch in LogReader(path).batches():
+        n += len(batch)
+    return n
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
+def run(rows: int, batch: int, rounds: int, workdir: Path) -> dict[str, Any]:
+    data = make_rows(rows)
+    batches = [data[i:i + batch] for i in range(0, len(data), batch)]
+    n = len(data)
+    times: dict[str, list[float]] = {k: [] for k in (
+        "base_append_never", "pdfsm_append_never", "base_append_10ms", "pdfsm_append_10ms",
+        "base_replay", "pdfsm_replay")}
+    sizes: dict[str, int] = {}
+    for r in range(rounds):
+        for policy, interval in (("never", None), ("10ms", 10_000_000)):
+            bpath = workdir / f"base-{policy}-{r}.bin"
+            times[f"base_append_{policy}"].append(_timed(lambda: base_append(bpath, batches, interval)))  # noqa: B023
+            ppath = workdir / f"pdfsm-{policy}-{r}"
+            fsync = FsyncPolicy.never() if interval is None else FsyncPolicy.every(10)
+            gc.collect()
+            sink = pdfsm_append(ppath, batches, fsync)
+            times[f"pdfsm_append_{policy}"].append(sink.elapsed)  # type: ignore[attr-defined]
+            sizes["base_bytes"], sizes["pdfsm_bytes"] = _size(bpath), _size(ppath)
+            sizes["pdfsm_frames"] = sink.frames
+            if policy == "10ms":
+                got: list[int] = []
+                times["base_replay"].append(_timed(lambda: got.append(base_replay(bpath))))  # noqa: B023
+                times["pdfsm_replay"].append(_timed(lambda: got.append(pdfsm_replay(ppath))))  # noqa: B023
+                assert got == [n, n], got
+            bpath.unlink()
+            shutil.rmtree(ppath)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "rows": n,
+        "batch": batch,
+        "rounds": rounds,
+        "append_events_per_s": round(n / med["pdfsm_append_10ms"]),
+        "append_never_events_per_s": round(n / med["pdfsm_append_never"]),
+        "replay_events_per_s": round(n / med["pdfsm_replay"]),
+        "baseline_append_events_per_s": round(n / med["base_append_10ms"]),
+        "baseline_append_never_events_per_s": round(n / med["base_append_never"]),
+        "baseline_replay_events_per_s": round(n / med["base_replay"]),
+        "append_vs_baseline": round(med["pdfsm_append_10ms"] / med["base_append_10ms"], 3),
+        "append_never_vs_baseline": round(med["pdfsm_append_never"] / med["base_append_never"], 3),
+        "replay_vs_baseline": round(med["pdfsm_replay"] / med["base_replay"], 3),
+        "bytes_per_event": round(sizes["pdfsm_bytes"] / n, 1),
+        "baseline_bytes_per_event": round(sizes["base_bytes"] / n, 1),
+        "frames": sizes["pdfsm_frames"],
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=300_000)
+    ap.add_argument("--batch", type=int, default=1024, help="rows per sink.write (one core pump)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="pdfsm-bench-", dir=args.dir))
+    try:
+        res = run(args.rows, args.batch, args.rounds, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(msgspec.json.encode(res).decode())
+        return
+    print(f"{res['rows']} rows ({res['bytes_per_event']} B/event on disk, baseline {res['baseline_bytes_per_event']}),"
+          f" {res['batch']} rows per write, median of {res['rounds']} interleaved rounds, {res['cpus']} CPUs")
+    print(f"{'':28}{'pdfsm ev/s':>14}{'baseline ev/s':>16}{'time ratio':>12}")
+    for label, key, base, ratio in (
+        ("append, fsync never", "append_never_events_per_s", "baseline_append_never_events_per_s",
+         "append_never_vs_baseline"),
+        ("append, fsync every 10 ms", "append_events_per_s", "baseline_append_events_per_s", "append_vs_baseline"),
+        ("replay (read + decode)", "replay_events_per_s", "baseline_replay_events_per_s", "replay_vs_baseline"),
+    ):
+        print(f"{label:28}{res[key]:>14,}{res[base]:>16,}{res[ratio]:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
