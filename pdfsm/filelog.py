@@ -393,24 +393,33 @@ def read_header(path: str | os.PathLike[str]) -> SegmentHeader:
     return header
 
 
-def _check_frame(fd: int, offset: int, size: int, cap: int) -> tuple[tuple[Any, ...], bytes] | str:
+def _check_frame(fd: int, offset: int, size: int, cap: int) -> tuple[tuple[Any, ...], bytes | None] | str:
     """A frame's fields and payload, CRC checked against its own prev_crc, or what is wrong.
 
-    The length is checked against the cap and the bytes left before the payload is read."""
+    The length is checked against the bytes left and the cap before anything is
+    read. A frame longer than the cap is checked in bounded chunks and, if its CRC
+    holds, returned with ``None`` for a payload: valid data this reader refuses."""
     if size - offset < FRAME.size:
         return f"{size - offset} bytes left, shorter than a frame header"
     head = _pread(fd, FRAME.size, offset)
     fields = FRAME.unpack(head)
     if fields[0] != FRAME_MARKER:
         return "bad frame marker"
-    length = fields[2]
-    if length > cap:
-        return f"frame length {length} exceeds the cap of {cap} bytes"
-    left = size - offset - FRAME.size
+    length, left = fields[2], size - offset - FRAME.size
     if length > left:
-        return f"frame length {length} exceeds the {left} bytes left in the file"
+        over = f", and the cap of {cap}" if length > cap else ""
+        return f"frame length {length} exceeds the {left} bytes left in the file{over}"
+    crc = _crc(memoryview(head)[8:], fields[4])
+    if length > cap:
+        pos, end = offset + FRAME.size, offset + FRAME.size + length
+        while pos < end:
+            chunk = _pread(fd, min(_SCAN_CHUNK, end - pos), pos)
+            crc, pos = _crc(chunk, crc), pos + len(chunk)
+        if crc != fields[1]:
+            return f"frame length {length} exceeds the cap of {cap} bytes, and its CRC does not match"
+        return fields, None
     payload = _pread(fd, length, offset + FRAME.size)
-    if _crc(payload, _crc(memoryview(head)[8:], fields[4])) != fields[1]:
+    if _crc(payload, crc) != fields[1]:
         return "CRC mismatch"
     return fields, payload
 
@@ -457,6 +466,9 @@ def _walk(path: Path, *, last: bool, cap: int, expect: int | None) -> Iterator[S
             if isinstance(got, str):
                 raise _damage(fd, path, offset, got, size=size, cap=cap, last=last)
             (_m, crc, length, count, prev_crc, schema, flags, base, wall, mono), payload = got
+            if payload is None:
+                raise LogError(f"frame of {length} bytes is over this reader's cap of {cap} bytes "
+                               "(intact: raise max_frame_bytes to read it)", path=path, offset=offset)
             if prev_crc != prev:
                 raise CorruptLogError("CRC chain broken: the frame does not follow the one before it",
                                       path=path, offset=offset)
@@ -598,7 +610,7 @@ class LogReader:
                     recs = decode(fr.payload)
                 else:
                     raw = msgspec.msgpack.decode(fr.payload, type=list[list[Any]])
-                    recs = msgspec.convert(upcast(raw, schema), list[Record])
+                    recs = msgspec.convert(upcast(raw, schema, current=SCHEMA_VERSION), list[Record])
             except msgspec.MsgspecError as e:
                 raise CorruptLogError(f"payload does not decode as schema {schema}: {e}",
                                       path=path, offset=fr.offset) from e
