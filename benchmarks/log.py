@@ -5,12 +5,16 @@ Rows come from a real :class:`~pdfsm.core.Core` driven through request lifecycle
 releases, failures), so their sizes and event mix are what an engine logs.
 
 - append: ``FileSink.write`` of every batch then ``close`` (which writes the rest
-  and fsyncs), with fsync ``never`` and ``every 10 ms``. Baseline, same process:
-  ``Encoder.encode(batch)`` written with a 4-byte length prefix (the least framing
-  that can be read back), fdatasync every 10 ms where the policy asks, and at the end.
+  and fsyncs), with fsync ``never`` and ``every 10 ms``. Baseline, same process,
+  one thread: ``Encoder.encode`` of the rows as msgpack arrays, each with a 4-byte
+  length prefix (the least framing that can be read back), one ``writev`` per
+  batch, fdatasync every 10 ms where the policy asks, and at the end.
 - replay: ``LogReader.batches()`` (CRC, chain and seq checks, decode into
   ``Record``). Baseline: read the baseline file back and ``Decoder(list[Record])``
-  each batch.
+  each array.
+
+The baseline runs twice, with one array per handed-over batch and with one per
+``BATCH_RECORDS`` rows (pdfsm's frame size); each ratio uses the faster of the two.
 
 Rounds are interleaved (baseline, pdfsm, baseline, ...) and medians reported;
 ratios are pdfsm time over baseline time (lower is better).
@@ -30,6 +34,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,8 +61,8 @@ from pdfsm.events import (
     ReadRequested,
     Tick,
 )
-from pdfsm.filelog import LogReader
-from pdfsm.filesink import FileSink, FsyncPolicy
+from pdfsm.filelog import LogReader, crc32c, encode_frame
+from pdfsm.filesink import BATCH_RECORDS, FileSink, FsyncPolicy
 from pdfsm.log import EventLog, MemorySink, Record, Row
 
 _LEN = struct.Struct("<I")
@@ -130,14 +135,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def base_append(path: Path, batches: list[list[Row]], interval_ns: int | None) -> None:
+def base_append(path: Path, batches: list[list[Row]], interval_ns: int | None, chunk: int) -> None:
     encode = msgspec.msgpack.Encoder().encode
     pack = _LEN.pack
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     last = time.monotonic_ns()
     for batch in batches:
-        payload = encode(batch)
-        os.writev(fd, [pack(len(payload)), payload])
+        iov: list[bytes] = []
+        for i in range(0, len(batch), chunk):
+            payload = encode(batch[i:i + chunk])
+            iov += (pack(len(payload)), payload)
+        os.writev(fd, iov)
         if interval_ns is not None and time.monotonic_ns() - last >= interval_ns:
             os.fdatasync(fd)
             last = time.monotonic_ns()
@@ -156,14 +164,17 @@ def base_replay(path: Path) -> int:
             n += len(decode(f.read(_LEN.unpack(head)[0])))
 
 
-def pdfsm_append(path: Path, batches: list[list[Row]], policy: FsyncPolicy) -> FileSink:
+def pdfsm_append(path: Path, batches: list[list[Row]], policy: FsyncPolicy) -> tuple[FileSink, float, float]:
+    """The sink, the time until close returned, and the time the owner spent handing batches over."""
     sink = FileSink(path, fsync=policy)
     t0 = time.perf_counter()
+    handoff = 0.0
     for batch in batches:
+        t = time.perf_counter()
         sink.write(batch)
+        handoff += time.perf_counter() - t
     sink.close()
-    sink.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
-    return sink
+    return sink, time.perf_counter() - t0, handoff
 
 
 def pdfsm_replay(path: Path) -> int:
@@ -171,6 +182,35 @@ def pdfsm_replay(path: Path) -> int:
     for batch in LogReader(path).batches():
         n += len(batch)
     return n
+
+
+_REC_HEAD = struct.Struct("<IIQHqq")  # length, crc, seq, schema, wall, mono: a per-record frame
+
+
+def per_record_frames(rows: list[Row]) -> bytes:
+    """The rejected design: each record framed and CRC-chained on its own (for the comparison)."""
+    encode, prev = msgspec.msgpack.Encoder().encode, 0
+    out: list[bytes] = []
+    wall, mono = time.time_ns(), time.monotonic_ns()
+    for row in rows:
+        payload = encode(row)
+        head = _REC_HEAD.pack(len(payload), 0, row[0], 1, wall, mono)
+        prev = crc32c(payload, crc32c(head, prev))
+        out += (prev.to_bytes(4, "little"), head, payload)
+    return b"".join(out)
+
+
+def batch_frames(rows: list[Row]) -> bytes:
+    """What pdfsm's writer does per frame, minus the thread and the file: encode, frame, CRC."""
+    encode, prev = msgspec.msgpack.Encoder().encode, 0
+    out: list[bytes] = []
+    for i in range(0, len(rows), BATCH_RECORDS):
+        chunk = rows[i:i + BATCH_RECORDS]
+        payload = encode(chunk)
+        head, prev = encode_frame(payload, len(chunk), chunk[0][0], prev, wall_ns=time.time_ns(),
+                                  mono_ns=time.monotonic_ns())
+        out += (head, payload)
+    return b"".join(out)
 
 
 def _size(path: Path) -> int:
@@ -181,42 +221,64 @@ def run(rows: int, batch: int, rounds: int, workdir: Path) -> dict[str, Any]:
     data = make_rows(rows)
     batches = [data[i:i + batch] for i in range(0, len(data), batch)]
     n = len(data)
-    times: dict[str, list[float]] = {k: [] for k in (
-        "base_append_never", "pdfsm_append_never", "base_append_10ms", "pdfsm_append_10ms",
-        "base_replay", "pdfsm_replay")}
+    chunks = sorted({batch, BATCH_RECORDS})
+    times: dict[str, list[float]] = defaultdict(list)
     sizes: dict[str, int] = {}
-    for r in range(rounds):
+    sample = data[:50_000]
+    for r in range(-1, rounds):  # round -1 warms up (page cache, allocator) and is not counted
         for policy, interval in (("never", None), ("10ms", 10_000_000)):
-            bpath = workdir / f"base-{policy}-{r}.bin"
-            times[f"base_append_{policy}"].append(_timed(lambda: base_append(bpath, batches, interval)))  # noqa: B023
-            ppath = workdir / f"pdfsm-{policy}-{r}"
+            for chunk in chunks:
+                bpath = workdir / f"base-{policy}-{chunk}.bin"
+                times[f"base_append_{policy}_{chunk}"].append(
+                    _timed(lambda: base_append(bpath, batches, interval, chunk)))  # noqa: B023
+                if policy == "10ms":
+                    got = base_replay(bpath)  # once untimed: the same page-cache state as pdfsm's file
+                    times[f"base_replay_{chunk}"].append(_timed(lambda: base_replay(bpath)))  # noqa: B023
+                    assert got == n
+                sizes["base_bytes"] = _size(bpath)
+                bpath.unlink()
+            ppath = workdir / f"pdfsm-{policy}"
             fsync = FsyncPolicy.never() if interval is None else FsyncPolicy.every(10)
             gc.collect()
-            sink = pdfsm_append(ppath, batches, fsync)
-            times[f"pdfsm_append_{policy}"].append(sink.elapsed)  # type: ignore[attr-defined]
-            sizes["base_bytes"], sizes["pdfsm_bytes"] = _size(bpath), _size(ppath)
-            sizes["pdfsm_frames"] = sink.frames
+            sink, elapsed, handoff = pdfsm_append(ppath, batches, fsync)
+            times[f"pdfsm_append_{policy}"].append(elapsed)
+            times["handoff"].append(handoff)
+            sizes["pdfsm_bytes"], sizes["pdfsm_frames"] = _size(ppath), sink.frames
             if policy == "10ms":
-                got: list[int] = []
-                times["base_replay"].append(_timed(lambda: got.append(base_replay(bpath))))  # noqa: B023
-                times["pdfsm_replay"].append(_timed(lambda: got.append(pdfsm_replay(ppath))))  # noqa: B023
-                assert got == [n, n], got
-            bpath.unlink()
+                assert pdfsm_replay(ppath) == n
+                times["pdfsm_replay"].append(_timed(lambda: pdfsm_replay(ppath)))  # noqa: B023
             shutil.rmtree(ppath)
+        times["per_record_frames"].append(_timed(lambda: per_record_frames(sample)) / len(sample) * n)
+        times["batch_frames"].append(_timed(lambda: batch_frames(sample)) / len(sample) * n)
+        if r < 0:
+            times.clear()
     med = {k: statistics.median(v) for k, v in times.items()}
+
+    def best(prefix: str) -> tuple[float, int]:
+        """The faster baseline: records per msgpack blob as handed over, or as pdfsm frames them."""
+        return min((med[f"{prefix}_{c}"], c) for c in chunks)
+
+    base_never, base_10ms, base_replay_t = best("base_append_never"), best("base_append_10ms"), best("base_replay")
     return {
         "rows": n,
         "batch": batch,
+        "frame_records": BATCH_RECORDS,
         "rounds": rounds,
         "append_events_per_s": round(n / med["pdfsm_append_10ms"]),
         "append_never_events_per_s": round(n / med["pdfsm_append_never"]),
         "replay_events_per_s": round(n / med["pdfsm_replay"]),
-        "baseline_append_events_per_s": round(n / med["base_append_10ms"]),
-        "baseline_append_never_events_per_s": round(n / med["base_append_never"]),
-        "baseline_replay_events_per_s": round(n / med["base_replay"]),
-        "append_vs_baseline": round(med["pdfsm_append_10ms"] / med["base_append_10ms"], 3),
-        "append_never_vs_baseline": round(med["pdfsm_append_never"] / med["base_append_never"], 3),
-        "replay_vs_baseline": round(med["pdfsm_replay"] / med["base_replay"], 3),
+        "baseline_append_events_per_s": round(n / base_10ms[0]),
+        "baseline_append_never_events_per_s": round(n / base_never[0]),
+        "baseline_replay_events_per_s": round(n / base_replay_t[0]),
+        "append_vs_baseline": round(med["pdfsm_append_10ms"] / base_10ms[0], 3),
+        "append_never_vs_baseline": round(med["pdfsm_append_never"] / base_never[0], 3),
+        "replay_vs_baseline": round(med["pdfsm_replay"] / base_replay_t[0], 3),
+        "baseline_records_per_blob": {"append_10ms": base_10ms[1], "append_never": base_never[1],
+                                      "replay": base_replay_t[1]},
+        "baseline_events_per_s_by_blob": {k: round(n / v) for k, v in sorted(med.items()) if k.startswith("base_")},
+        "per_record_framing_ns_per_event": round(med["per_record_frames"] / n * 1e9, 1),
+        "frame_framing_ns_per_event": round(med["batch_frames"] / n * 1e9, 1),
+        "owner_handoff_ns_per_event": round(med["handoff"] / n * 1e9, 1),
         "bytes_per_event": round(sizes["pdfsm_bytes"] / n, 1),
         "baseline_bytes_per_event": round(sizes["base_bytes"] / n, 1),
         "frames": sizes["pdfsm_frames"],
@@ -242,7 +304,9 @@ def main(argv: list[str] | None = None) -> None:
         print(msgspec.json.encode(res).decode())
         return
     print(f"{res['rows']} rows ({res['bytes_per_event']} B/event on disk, baseline {res['baseline_bytes_per_event']}),"
-          f" {res['batch']} rows per write, median of {res['rounds']} interleaved rounds, {res['cpus']} CPUs")
+          f" {res['batch']} rows per write, {res['frame_records']} per frame,"
+          f" median of {res['rounds']} interleaved rounds, {res['cpus']} CPUs")
+    print("baseline: the faster of plain msgpack blobs of the handed-over batch or of pdfsm's frame size")
     print(f"{'':28}{'pdfsm ev/s':>14}{'baseline ev/s':>16}{'time ratio':>12}")
     for label, key, base, ratio in (
         ("append, fsync never", "append_never_events_per_s", "baseline_append_never_events_per_s",
@@ -251,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         ("replay (read + decode)", "replay_events_per_s", "baseline_replay_events_per_s", "replay_vs_baseline"),
     ):
         print(f"{label:28}{res[key]:>14,}{res[base]:>16,}{res[ratio]:>12.2f}")
+    print(f"owner thread: {res['owner_handoff_ns_per_event']} ns per event to hand a batch to the writer thread")
+    print(f"encode + frame + CRC in memory: {res['frame_framing_ns_per_event']} ns per event in {BATCH_RECORDS}-record"
+          f" frames, {res['per_record_framing_ns_per_event']} ns with a frame and chained CRC per record")
 
 
 if __name__ == "__main__":
