@@ -498,6 +498,13 @@ def test_reopening_continues_the_sequence_and_refuses_a_restart(rows: list[Row],
     assert read_log(directory) == [Record.of(r) for r in [*rows, *more]]
 
 
+def _eventually(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 def _stall(sink: FileSink) -> threading.Event:
     """Make the writer thread wait inside its next write until the returned event is set."""
     go, real = threading.Event(), sink._write
@@ -516,9 +523,7 @@ def test_count_policy_records_the_loss_as_a_gap(rows: list[Row], tmp_path: Path)
     go = _stall(sink)
     a = _shift(rows, sink)
     sink.write(a)  # taken by the writer, which stalls
-    deadline = time.monotonic() + 5
-    while sink.queued and time.monotonic() < deadline:
-        time.sleep(0.001)
+    _eventually(lambda: not sink.queued)
     b = _shift(rows, sink)
     sink.write(b)  # queued: the queue is now full
     c = _shift(rows, sink)[:5]
@@ -541,8 +546,7 @@ def test_block_policy_waits_for_room(rows: list[Row], tmp_path: Path) -> None:
     go = _stall(sink)
     batches = [_shift(rows, sink)]
     sink.write(batches[0])
-    while sink.queued:
-        time.sleep(0.001)
+    _eventually(lambda: not sink.queued)
     batches.append(_shift(rows, sink))
     sink.write(batches[1])
     batches.append(_shift(rows, sink))
@@ -577,8 +581,9 @@ def test_acknowledgement_follows_the_fsync_policy(rows: list[Row], tmp_path: Pat
     acks: list[int] = []
     never = FileSink(tmp_path / "never", fsync=FsyncPolicy.never(), on_ack=acks.append)
     never.write(rows)
+    _eventually(lambda: never.written_seq == len(rows) - 1)
     assert not never.wait_acked(len(rows) - 1, timeout=0.1)
-    assert never.written_seq == len(rows) - 1 and never.acked_seq == -1  # written, not durable
+    assert never.acked_seq == -1  # written, not durable
     assert never.sync(timeout=5) and acks == [len(rows) - 1]
     more = _shift(rows, never)
     never.write(more)
