@@ -128,11 +128,12 @@ def make_rows(n: int) -> list[Row]:
     return sink.rows[:n]
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds (all threads) of ``fn()``."""
     gc.collect()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def base_append(path: Path, batches: list[list[Row]], interval_ns: int | None, chunk: int) -> None:
@@ -164,17 +165,19 @@ def base_replay(path: Path) -> int:
             n += len(decode(f.read(_LEN.unpack(head)[0])))
 
 
-def pdfsm_append(path: Path, batches: list[list[Row]], policy: FsyncPolicy) -> tuple[FileSink, float, float]:
-    """The sink, the time until close returned, and the time the owner spent handing batches over."""
+def pdfsm_append(
+    path: Path, batches: list[list[Row]], policy: FsyncPolicy
+) -> tuple[FileSink, tuple[float, float], float]:
+    """The sink, (wall, CPU) seconds until close returned, and the owner's time handing batches over."""
     sink = FileSink(path, fsync=policy)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     handoff = 0.0
     for batch in batches:
         t = time.perf_counter()
         sink.write(batch)
         handoff += time.perf_counter() - t
     sink.close()
-    return sink, time.perf_counter() - t0, handoff
+    return sink, (time.perf_counter() - t0, time.process_time() - c0), handoff
 
 
 def pdfsm_replay(path: Path) -> int:
@@ -217,6 +220,11 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
+def _add(times: dict[str, list[float]], key: str, wall_cpu: tuple[float, float]) -> None:
+    times[key].append(wall_cpu[0])
+    times[key + "_cpu"].append(wall_cpu[1])
+
+
 def run(rows: int, batch: int, rounds: int, workdir: Path) -> dict[str, Any]:
     data = make_rows(rows)
     batches = [data[i:i + batch] for i in range(0, len(data), batch)]
@@ -229,11 +237,11 @@ def run(rows: int, batch: int, rounds: int, workdir: Path) -> dict[str, Any]:
         for policy, interval in (("never", None), ("10ms", 10_000_000)):
             for chunk in chunks:
                 bpath = workdir / f"base-{policy}-{chunk}.bin"
-                times[f"base_append_{policy}_{chunk}"].append(
-                    _timed(lambda: base_append(bpath, batches, interval, chunk)))  # noqa: B023
+                _add(times, f"base_append_{policy}_{chunk}",
+                     _timed(lambda: base_append(bpath, batches, interval, chunk)))  # noqa: B023
                 if policy == "10ms":
                     got = base_replay(bpath)  # once untimed: the same page-cache state as pdfsm's file
-                    times[f"base_replay_{chunk}"].append(_timed(lambda: base_replay(bpath)))  # noqa: B023
+                    _add(times, f"base_replay_{chunk}", _timed(lambda: base_replay(bpath)))  # noqa: B023
                     assert got == n
                 sizes["base_bytes"] = _size(bpath)
                 bpath.unlink()
@@ -241,15 +249,15 @@ def run(rows: int, batch: int, rounds: int, workdir: Path) -> dict[str, Any]:
             fsync = FsyncPolicy.never() if interval is None else FsyncPolicy.every(10)
             gc.collect()
             sink, elapsed, handoff = pdfsm_append(ppath, batches, fsync)
-            times[f"pdfsm_append_{policy}"].append(elapsed)
+            _add(times, f"pdfsm_append_{policy}", elapsed)
             times["handoff"].append(handoff)
             sizes["pdfsm_bytes"], sizes["pdfsm_frames"] = _size(ppath), sink.frames
             if policy == "10ms":
                 assert pdfsm_replay(ppath) == n
-                times["pdfsm_replay"].append(_timed(lambda: pdfsm_replay(ppath)))  # noqa: B023
+                _add(times, "pdfsm_replay", _timed(lambda: pdfsm_replay(ppath)))  # noqa: B023
             shutil.rmtree(ppath)
-        times["per_record_frames"].append(_timed(lambda: per_record_frames(sample)) / len(sample) * n)
-        times["batch_frames"].append(_timed(lambda: batch_frames(sample)) / len(sample) * n)
+        times["per_record_frames"].append(_timed(lambda: per_record_frames(sample))[0] / len(sample) * n)
+        times["batch_frames"].append(_timed(lambda: batch_frames(sample))[0] / len(sample) * n)
         if r < 0:
             times.clear()
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -273,9 +281,15 @@ def run(rows: int, batch: int, rounds: int, workdir: Path) -> dict[str, Any]:
         "append_vs_baseline": round(med["pdfsm_append_10ms"] / base_10ms[0], 3),
         "append_never_vs_baseline": round(med["pdfsm_append_never"] / base_never[0], 3),
         "replay_vs_baseline": round(med["pdfsm_replay"] / base_replay_t[0], 3),
+        # the same ratios in process CPU time (all threads): less sensitive to other load on the machine
+        "append_vs_baseline_cpu": round(med["pdfsm_append_10ms_cpu"] / med[f"base_append_10ms_{base_10ms[1]}_cpu"], 3),
+        "append_never_vs_baseline_cpu": round(
+            med["pdfsm_append_never_cpu"] / med[f"base_append_never_{base_never[1]}_cpu"], 3),
+        "replay_vs_baseline_cpu": round(med["pdfsm_replay_cpu"] / med[f"base_replay_{base_replay_t[1]}_cpu"], 3),
         "baseline_records_per_blob": {"append_10ms": base_10ms[1], "append_never": base_never[1],
                                       "replay": base_replay_t[1]},
-        "baseline_events_per_s_by_blob": {k: round(n / v) for k, v in sorted(med.items()) if k.startswith("base_")},
+        "baseline_events_per_s_by_blob": {k: round(n / v) for k, v in sorted(med.items())
+                                          if k.startswith("base_") and not k.endswith("_cpu")},
         "per_record_framing_ns_per_event": round(med["per_record_frames"] / n * 1e9, 1),
         "frame_framing_ns_per_event": round(med["batch_frames"] / n * 1e9, 1),
         "owner_handoff_ns_per_event": round(med["handoff"] / n * 1e9, 1),
@@ -307,14 +321,14 @@ def main(argv: list[str] | None = None) -> None:
           f" {res['batch']} rows per write, {res['frame_records']} per frame,"
           f" median of {res['rounds']} interleaved rounds, {res['cpus']} CPUs")
     print("baseline: the faster of plain msgpack blobs of the handed-over batch or of pdfsm's frame size")
-    print(f"{'':28}{'pdfsm ev/s':>14}{'baseline ev/s':>16}{'time ratio':>12}")
+    print(f"{'':28}{'pdfsm ev/s':>14}{'baseline ev/s':>16}{'time ratio':>12}{'CPU ratio':>11}")
     for label, key, base, ratio in (
         ("append, fsync never", "append_never_events_per_s", "baseline_append_never_events_per_s",
          "append_never_vs_baseline"),
         ("append, fsync every 10 ms", "append_events_per_s", "baseline_append_events_per_s", "append_vs_baseline"),
         ("replay (read + decode)", "replay_events_per_s", "baseline_replay_events_per_s", "replay_vs_baseline"),
     ):
-        print(f"{label:28}{res[key]:>14,}{res[base]:>16,}{res[ratio]:>12.2f}")
+        print(f"{label:28}{res[key]:>14,}{res[base]:>16,}{res[ratio]:>12.2f}{res[ratio + '_cpu']:>11.2f}")
     print(f"owner thread: {res['owner_handoff_ns_per_event']} ns per event to hand a batch to the writer thread")
     print(f"encode + frame + CRC in memory: {res['frame_framing_ns_per_event']} ns per event in {BATCH_RECORDS}-record"
           f" frames, {res['per_record_framing_ns_per_event']} ns with a frame and chained CRC per record")
