@@ -1,0 +1,686 @@
+"""The durable event log file: byte format, reader, torn-tail recovery and schema evolution.
+
+The writer is :class:`pdfsm.filesink.FileSink`; this module owns everything a
+reader needs, so tools that only read logs never import the writer.
+
+Layout (all integers little-endian; docs/log-format.md has the long version)
+---------------------------------------------------------------------------
+
+A log is a directory of *segments* named ``<start_seq:020d>.pdlog`` (or one
+such file). A segment is a header followed by frames::
+
+    header (36 + M bytes)
+      0   8  magic        b"PDFSMLOG"
+      8   2  format       u16, FORMAT_VERSION (1)
+     10   2  flags        u16, 0 (reserved)
+     12   4  meta_len     u32, M <= MAX_META (65536)
+     16   8  start_seq    u64, sequence number of the segment's first record
+     24   8  salt         8 random bytes, new for every segment
+     32   M  meta         msgpack map (engine id, created_ns, pid, ...)
+     32+M 4  header_crc   u32, CRC32C of bytes [0, 32+M)
+
+    frame (48 + L bytes): a CRC-protected batch of records (a Kafka record batch)
+      0   4  marker       b"PDFB"
+      4   4  crc          u32, CRC32C of bytes [8, 48+L) seeded with prev_crc
+      8   4  length       u32, L: payload bytes; L <= the reader's cap and <= the bytes left
+     12   4  count        u32, records in the payload (a gap frame: records lost)
+     16   4  prev_crc     u32, crc of the previous frame; header_crc for the first frame
+     20   2  schema       u16, schema version of the payload's rows (SCHEMA_VERSION)
+     22   2  flags        u16, bit 0: GAP (records lost before they reached the file)
+     24   8  base_seq     u64, seq of the first record; record i has seq base_seq + i
+     32   8  wall_ns      i64, time.time_ns() when the frame was written
+     40   8  mono_ns      i64, time.monotonic_ns() when the frame was written
+     48   L  payload      msgpack array of ``count`` rows; a gap frame: msgpack map {"reason": str}
+
+A row is ``[seq, event, machine, before, state, outcome, reason, fault, cause]``
+(:data:`pdfsm.log.Row`), the event a msgpack map that carries its class name
+under ``"type"``. Each record is individually framed by the msgpack array
+element it is, starts with its own seq (checked against ``base_seq + i``) and
+names its event type; the length, CRC, schema version and write times are
+per frame, because a frame is what one ``write`` puts on disk and one fsync
+acknowledges. Why frames and not one CRC per record: a per-record header, CRC
+call and encode call cost more than encoding the record does in Python; one
+``Encoder.encode`` of a whole batch and one CRC over it keep appends within a
+small factor of plain msgpack (docs/log-format.md has the figures).
+
+The chain: ``crc`` is seeded with ``prev_crc``, the first frame's with the
+header's CRC, which covers the random salt. A frame from another segment, a
+reordered or a missing frame breaks the chain even when its own bytes are
+intact. ``prev_crc`` is also stored, so a frame can be checked on its own while
+scanning for good data after damage.
+
+Recovery rule: the first bad frame of the *last* segment that no valid frame
+follows is a torn tail (a crash artefact): :func:`recover` keeps a copy and
+truncates to the end of the last good frame. Damage followed by a valid frame,
+or damage in any earlier segment, is corruption: :class:`CorruptLogError`
+names the file and byte offset, and nothing is truncated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import attrgetter
+from pathlib import Path
+from typing import Any, Final, Literal, NamedTuple
+
+import msgspec
+
+from pdfsm.errors import PdfsmError
+from pdfsm.log import Record, Row
+
+__all__ = [
+    "CRC_IMPL",
+    "DEFAULT_MAX_FRAME",
+    "FLAG_GAP",
+    "FORMAT_VERSION",
+    "FRAME",
+    "FRAME_MARKER",
+    "HEADER_FIXED",
+    "MAGIC",
+    "MAX_META",
+    "SCHEMA_VERSION",
+    "SEGMENT_SUFFIX",
+    "UPCASTERS",
+    "CorruptLogError",
+    "Gap",
+    "LogError",
+    "LogReader",
+    "LogWriteError",
+    "Recovery",
+    "Repair",
+    "SegmentHeader",
+    "TornTailError",
+    "UnsupportedVersionError",
+    "Upcaster",
+    "crc32c",
+    "encode_frame",
+    "encode_header",
+    "read_header",
+    "read_log",
+    "recover",
+    "segment_name",
+    "segment_paths",
+    "upcast",
+    "write_segment",
+]
+
+MAGIC: Final = b"PDFSMLOG"
+FRAME_MARKER: Final = b"PDFB"
+FORMAT_VERSION: Final = 1
+SCHEMA_VERSION: Final = 1
+HEADER_FIXED: Final = struct.Struct("<8sHHIQ8s")  # magic, format, flags, meta_len, start_seq, salt
+FRAME: Final = struct.Struct("<4sIIIIHHQqq")  # marker, crc, length, count, prev_crc, schema, flags, base, wall, mono
+_FRAME_TAIL: Final = struct.Struct("<IIIHHQqq")  # FRAME from byte 8: what the crc covers before the payload
+_U32: Final = struct.Struct("<I")
+MAX_META: Final = 65536
+DEFAULT_MAX_FRAME: Final = 64 << 20
+FLAG_GAP: Final = 1
+SEGMENT_SUFFIX: Final = ".pdlog"
+_SCAN_CHUNK: Final = 1 << 20
+
+# --- CRC32C ----------------------------------------------------------------------------------------
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _crc32c_table() -> tuple[int, ...]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return tuple(table)
+
+
+def _crc32c_pure(data: Buffer, value: int = 0) -> int:
+    """CRC32C (Castagnoli), byte at a time; only used when the ``crc32c`` package is missing."""
+    table = _TABLE
+    crc = value ^ 0xFFFFFFFF
+    for b in bytes(data):
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+_TABLE: Final = _crc32c_table()
+_crc: Callable[[Buffer, int], int]
+try:
+    from crc32c import crc32c as _crc_fast
+
+    _crc = _crc_fast
+    CRC_IMPL: str = "crc32c"
+except ImportError:  # pragma: no cover - the package is a dependency; this keeps old logs readable
+    _crc = _crc32c_pure
+    CRC_IMPL = "pure-python"
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC32C of ``data``, continuing from ``value`` (``crc32c(b, crc32c(a)) == crc32c(a + b)``)."""
+    return _crc(data, value)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+class LogError(PdfsmError):
+    """A log file could not be read or written; names the file and, where known, the byte offset."""
+
+    def __init__(self, reason: str, *, path: str | os.PathLike[str], offset: int | None = None) -> None:
+        where = str(path) if offset is None else f"{path} at byte {offset}"
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
+        self.path = str(path)
+        self.offset = offset
+
+
+class CorruptLogError(LogError):
+    """Damage that is not a torn tail: good data follows it, or it is in an earlier segment."""
+
+
+class TornTailError(LogError):
+    """The last frame of the last segment is short or damaged: a crash artefact.
+
+    ``offset`` is where the good data ends; :func:`recover` (or a reader with
+    ``on_torn_tail="repair"``) keeps a copy and truncates the file there."""
+
+
+class UnsupportedVersionError(LogError):
+    """A format or schema version this reader does not know (a newer writer, or no upcaster)."""
+
+
+class LogWriteError(LogError):
+    """The writer failed, was closed, or was handed rows out of sequence."""
+
+
+# --- schema evolution ------------------------------------------------------------------------------
+
+Upcaster = Callable[[list[Any]], list[Any]]
+"""Turns one decoded row (plain msgpack values) of version v into a row of version v + 1. Pure."""
+
+UPCASTERS: Final[Mapping[int, Upcaster]] = {}
+"""``{v: upcaster from v to v + 1}``. Version 1 is the first; adding version 2 means adding
+``UPCASTERS[1]``, bumping SCHEMA_VERSION and committing tests/golden/v2.pdlog."""
+
+
+def upcast(
+    rows: list[list[Any]],
+    version: int,
+    *,
+    chain: Mapping[int, Upcaster] = UPCASTERS,
+    current: int = SCHEMA_VERSION,
+) -> list[list[Any]]:
+    """Rows of schema ``version`` as rows of schema ``current``, applying ``chain`` step by step.
+
+    Raises :class:`ValueError` for a version newer than ``current`` or one the chain cannot reach;
+    the reader turns that into :class:`UnsupportedVersionError` with the file and offset."""
+    if version > current:
+        raise ValueError(f"schema version {version} is newer than this reader's {current}")
+    while version < current:
+        step = chain.get(version)
+        if step is None:
+            raise ValueError(f"no upcaster from schema version {version} to {version + 1}")
+        rows = [step(row) for row in rows]
+        version += 1
+    return rows
+
+
+def _reachable(version: int, chain: Mapping[int, Upcaster] = UPCASTERS) -> bool:
+    return version >= 1 and all(v in chain for v in range(version, SCHEMA_VERSION))
+
+
+# --- encoding --------------------------------------------------------------------------------------
+
+
+class SegmentHeader(NamedTuple):
+    format: int
+    start_seq: int
+    salt: bytes
+    meta: dict[str, Any]
+    size: int  # bytes, header_crc included: where the first frame starts
+    crc: int  # header_crc: the seed of the frame chain
+
+
+def segment_name(start_seq: int) -> str:
+    return f"{start_seq:020d}{SEGMENT_SUFFIX}"
+
+
+def encode_header(start_seq: int, salt: bytes, meta: Mapping[str, Any]) -> tuple[bytes, int]:
+    """A segment header and its CRC (the seed of the segment's frame chain)."""
+    if len(salt) != 8:
+        raise ValueError("salt must be 8 bytes")
+    blob = msgspec.msgpack.encode(dict(meta))
+    if len(blob) > MAX_META:
+        raise ValueError(f"header metadata is {len(blob)} bytes, more than {MAX_META}")
+    body = HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(blob), start_seq, salt) + blob
+    crc = _crc(body, 0)
+    return body + _U32.pack(crc), crc
+
+
+def encode_frame(
+    payload: Buffer,
+    count: int,
+    base_seq: int,
+    prev_crc: int,
+    *,
+    wall_ns: int,
+    mono_ns: int,
+    flags: int = 0,
+    schema: int = SCHEMA_VERSION,
+) -> tuple[bytes, int]:
+    """The 48-byte frame header for ``payload`` and the frame's CRC (the next frame's prev_crc)."""
+    tail = _FRAME_TAIL.pack(len(payload), count, prev_crc, schema, flags, base_seq, wall_ns, mono_ns)
+    crc = _crc(payload, _crc(tail, prev_crc))
+    return FRAME_MARKER + _U32.pack(crc) + tail, crc
+
+
+def write_segment(
+    path: str | os.PathLike[str],
+    rows: Sequence[Row],
+    *,
+    salt: bytes,
+    meta: Mapping[str, Any],
+    wall_ns: int,
+    mono_ns: int,
+    batch_records: int = 256,
+    start_seq: int | None = None,
+) -> None:
+    """Write one complete segment synchronously with fixed salt and times (golden files, tools)."""
+    encode = msgspec.msgpack.Encoder().encode
+    start = rows[0][0] if rows else (start_seq or 0)
+    header, prev = encode_header(start, salt, meta)
+    parts = [header]
+    for i in range(0, len(rows), batch_records):
+        chunk = list(rows[i:i + batch_records])
+        payload = encode(chunk)
+        head, prev = encode_frame(payload, len(chunk), chunk[0][0], prev, wall_ns=wall_ns, mono_ns=mono_ns)
+        parts += (head, payload)
+    with open(path, "wb") as f:
+        f.write(b"".join(parts))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+class Gap(msgspec.Struct, frozen=True):
+    """Records the writer could not queue (``Overflow.COUNT``): the loss, as written in the log."""
+
+    first_seq: int
+    count: int
+    reason: str
+    path: str
+    offset: int
+
+
+class _Frame(NamedTuple):
+    offset: int
+    n: int  # records in the frame (a gap frame: records lost)
+    schema: int
+    flags: int
+    base_seq: int
+    wall_ns: int
+    mono_ns: int
+    payload: bytes
+    end: int
+
+
+def segment_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """One file, or a directory's segments in sequence order (by the start seq in their names)."""
+    p = Path(path)
+    if not p.is_dir():
+        return [p]
+    segs = []
+    for child in p.iterdir():
+        name = child.name
+        if name.endswith(SEGMENT_SUFFIX) and name[: -len(SEGMENT_SUFFIX)].isdigit():
+            segs.append((int(name[: -len(SEGMENT_SUFFIX)]), child))
+    return [c for _, c in sorted(segs)]
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    while len(data) < n:  # a regular file returns short only at EOF; callers checked the size
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _parse_header(fd: int, size: int, path: Path) -> SegmentHeader | str:
+    """The header, or the reason it is unreadable (damage at offset 0). Raises for future versions."""
+    fixed = HEADER_FIXED.size
+    if size < fixed + 4:
+        return f"file is {size} bytes, shorter than a segment header"
+    raw = _pread(fd, fixed, 0)
+    magic, version, _flags, meta_len, start, salt = HEADER_FIXED.unpack(raw)
+    if magic != MAGIC:
+        return "bad magic: not a pdfsm log segment"
+    if version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"log format version {version} is newer than this reader's {FORMAT_VERSION}: upgrade pdfsm",
+            path=path, offset=8)
+    if version < 1:
+        return f"format version {version} was never released"
+    if meta_len > MAX_META or fixed + meta_len + 4 > size:
+        return f"header metadata length {meta_len} exceeds the cap or the file"
+    rest = _pread(fd, meta_len + 4, fixed)
+    crc = _U32.unpack_from(rest, meta_len)[0]
+    if _crc(rest[:meta_len], _crc(raw, 0)) != crc:
+        return "header CRC mismatch"
+    try:
+        meta = msgspec.msgpack.decode(rest[:meta_len], type=dict[str, Any])
+    except msgspec.MsgspecError as e:
+        return f"header metadata does not decode: {e}"
+    return SegmentHeader(version, start, salt, meta, fixed + meta_len + 4, crc)
+
+
+def read_header(path: str | os.PathLike[str]) -> SegmentHeader:
+    """A segment's header; raises :class:`CorruptLogError` when it is damaged."""
+    p = Path(path)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        header = _parse_header(fd, os.fstat(fd).st_size, p)
+    finally:
+        os.close(fd)
+    if isinstance(header, str):
+        raise CorruptLogError(header, path=p, offset=0)
+    return header
+
+
+def _check_frame(fd: int, offset: int, size: int, cap: int) -> tuple[tuple[Any, ...], bytes | None] | str:
+    """A frame's fields and payload, CRC checked against its own prev_crc, or what is wrong.
+
+    The length is checked against the bytes left and the cap before anything is
+    read. A frame longer than the cap is checked in bounded chunks and, if its CRC
+    holds, returned with ``None`` for a payload: valid data this reader refuses."""
+    if size - offset < FRAME.size:
+        return f"{size - offset} bytes left, shorter than a frame header"
+    head = _pread(fd, FRAME.size, offset)
+    fields = FRAME.unpack(head)
+    if fields[0] != FRAME_MARKER:
+        return "bad frame marker"
+    length, left = fields[2], size - offset - FRAME.size
+    if length > left:
+        over = f", and the cap of {cap}" if length > cap else ""
+        return f"frame length {length} exceeds the {left} bytes left in the file{over}"
+    crc = _crc(memoryview(head)[8:], fields[4])
+    if length > cap:
+        pos, end = offset + FRAME.size, offset + FRAME.size + length
+        while pos < end:
+            chunk = _pread(fd, min(_SCAN_CHUNK, end - pos), pos)
+            crc, pos = _crc(chunk, crc), pos + len(chunk)
+        if crc != fields[1]:
+            return f"frame length {length} exceeds the cap of {cap} bytes, and its CRC does not match"
+        return fields, None
+    payload = _pread(fd, length, offset + FRAME.size)
+    if _crc(payload, crc) != fields[1]:
+        return "CRC mismatch"
+    return fields, payload
+
+
+def _valid_frame_after(fd: int, start: int, size: int, cap: int) -> int | None:
+    """The offset of the first self-consistent frame at or after ``start``, if any (bounded reads)."""
+    pos = start
+    while pos < size:
+        chunk = _pread(fd, min(_SCAN_CHUNK + len(FRAME_MARKER) - 1, size - pos), pos)
+        i = chunk.find(FRAME_MARKER)
+        while i != -1:
+            if not isinstance(_check_frame(fd, pos + i, size, cap), str):
+                return pos + i
+            i = chunk.find(FRAME_MARKER, i + 1)
+        pos += _SCAN_CHUNK
+    return None
+
+
+def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: int, last: bool) -> LogError:
+    """Classify damage at ``offset``: a torn tail, or corruption because good data follows it."""
+    after = _valid_frame_after(fd, offset + 1, size, cap)
+    if after is not None:
+        return CorruptLogError(f"{reason}; a valid frame follows at byte {after}", path=path, offset=offset)
+    if not last:
+        return CorruptLogError(f"{reason}; later segments follow", path=path, offset=offset)
+    return TornTailError(f"torn tail: {reason}", path=path, offset=offset)
+
+
+def _walk(path: Path, *, last: bool, cap: int, expect: int | None) -> Iterator[SegmentHeader | _Frame]:
+    """The header, then every frame of one segment, checked: CRC, chain, sequence."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        header = _parse_header(fd, size, path)
+        if isinstance(header, str):
+            raise _damage(fd, path, 0, header, size=size, cap=cap, last=last)
+        if expect is not None and header.start_seq != expect:
+            raise CorruptLogError(f"segment starts at seq {header.start_seq}, expected {expect}: records missing",
+                                  path=path, offset=16)
+        yield header
+        offset, prev, seq = header.size, header.crc, header.start_seq
+        while offset < size:
+            got = _check_frame(fd, offset, size, cap)
+            if isinstance(got, str):
+                raise _damage(fd, path, offset, got, size=size, cap=cap, last=last)
+            (_m, crc, length, count, prev_crc, schema, flags, base, wall, mono), payload = got
+            if payload is None:
+                raise LogError(f"frame of {length} bytes is over this reader's cap of {cap} bytes "
+                               "(intact: raise max_frame_bytes to read it)", path=path, offset=offset)
+            if prev_crc != prev:
+                raise CorruptLogError("CRC chain broken: the frame does not follow the one before it",
+                                      path=path, offset=offset)
+            if base != seq:
+                raise CorruptLogError(f"frame starts at seq {base}, expected {seq}", path=path, offset=offset)
+            end = offset + FRAME.size + length
+            yield _Frame(offset, count, schema, flags, base, wall, mono, payload, end)
+            offset, prev, seq = end, crc, seq + count
+    finally:
+        os.close(fd)
+
+
+TornTailPolicy = Literal["raise", "repair", "stop"]
+
+
+class Repair(msgspec.Struct, frozen=True):
+    """What recovery did to a torn tail."""
+
+    path: str
+    offset: int  # the file now ends here (0: the whole file was moved aside)
+    removed_bytes: int
+    backup: str  # the damaged file, kept as it was
+    reason: str
+
+
+class Recovery(msgspec.Struct, frozen=True):
+    """The outcome of :func:`recover`: where the log ends and what was repaired."""
+
+    path: str
+    segments: int
+    next_seq: int  # the seq the next record must have
+    repairs: tuple[Repair, ...] = ()
+    removed_temp: tuple[str, ...] = ()
+
+
+def _backup_name(path: Path) -> Path:
+    n = 0
+    while True:
+        candidate = path.with_name(f"{path.name}.torn.{n}")
+        if not candidate.exists():
+            return candidate
+        n += 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _repair(err: TornTailError, header_size: int | None) -> Repair:
+    """Keep a copy of the damaged file and cut it back to its last good frame (durably)."""
+    path = Path(err.path)
+    offset = err.offset or 0
+    size = path.stat().st_size
+    backup = _backup_name(path)
+    if header_size is None or offset < header_size:  # not even the header is good: move it aside
+        os.replace(path, backup)
+        offset = 0
+    else:
+        shutil.copyfile(path, backup)
+        with open(path, "r+b") as f:
+            f.truncate(offset)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_dir(path.parent)
+    return Repair(str(path), offset, size - offset, str(backup), err.reason)
+
+
+class LogReader:
+    """Reads a log (a segment file or a directory of segments) in sequence order.
+
+    Every frame is checked (length cap, CRC, chain, sequence) before its payload
+    is decoded into typed :class:`~pdfsm.log.Record` objects. At a torn tail,
+    ``on_torn_tail`` decides: ``"raise"`` :class:`TornTailError` (after every
+    good record was yielded), ``"repair"`` (keep a copy, truncate, note it in
+    :attr:`repairs`) or ``"stop"`` (leave the file alone: a log being written).
+    Gaps the writer recorded (``Overflow.COUNT``) are collected in :attr:`gaps`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        on_torn_tail: TornTailPolicy = "raise",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.path: Final = Path(path)
+        self.on_torn_tail: Final = on_torn_tail
+        self.cap: Final = max_frame_bytes
+        self.gaps: list[Gap] = []
+        self.repairs: list[Repair] = []
+        self.torn: TornTailError | None = None
+        self.headers: list[SegmentHeader] = []
+        self.next_seq: int | None = None  # after reading: the seq the next record would have
+        self._decode = msgspec.msgpack.Decoder(list[Record]).decode
+
+    def frames(self) -> Iterator[tuple[Path, _Frame]]:
+        """Every frame of every segment, checked but not decoded."""
+        paths = segment_paths(self.path)
+        if not paths:
+            raise LogError("no log segments", path=self.path)
+        self.headers, self.next_seq, self.torn = [], None, None
+        for i, path in enumerate(paths):
+            header_size: int | None = None
+            try:
+                for item in _walk(path, last=i == len(paths) - 1, cap=self.cap, expect=self.next_seq):
+                    if isinstance(item, SegmentHeader):
+                        self.headers.append(item)
+                        header_size, self.next_seq = item.size, item.start_seq
+                    else:
+                        self.next_seq = item.base_seq + item.n
+                        yield path, item
+            except TornTailError as e:
+                if self.on_torn_tail == "raise":
+                    raise
+                self.torn = e
+                if self.on_torn_tail == "repair":
+                    self.repairs.append(_repair(e, header_size))
+
+    def batches(self) -> Iterator[list[Record]]:
+        """The records frame by frame: one decode call per frame (the fast path)."""
+        decode, seq_of = self._decode, attrgetter("seq")
+        self.gaps = []
+        for path, fr in self.frames():
+            if fr.flags & FLAG_GAP:
+                self.gaps.append(self._gap(path, fr))
+                continue
+            schema = fr.schema
+            if schema > SCHEMA_VERSION or (schema < SCHEMA_VERSION and not _reachable(schema)):
+                raise UnsupportedVersionError(
+                    f"schema version {schema} cannot be read by this reader (current {SCHEMA_VERSION}"
+                    f"{', upgrade pdfsm' if schema > SCHEMA_VERSION else ', no upcaster'})",
+                    path=path, offset=fr.offset + 20)
+            try:
+                if schema == SCHEMA_VERSION:
+                    recs = decode(fr.payload)
+                else:
+                    raw = msgspec.msgpack.decode(fr.payload, type=list[list[Any]])
+                    recs = msgspec.convert(upcast(raw, schema, current=SCHEMA_VERSION), list[Record])
+            except msgspec.MsgspecError as e:
+                raise CorruptLogError(f"payload does not decode as schema {schema}: {e}",
+                                      path=path, offset=fr.offset) from e
+            if list(map(seq_of, recs)) != list(range(fr.base_seq, fr.base_seq + fr.n)):
+                raise CorruptLogError(f"records do not carry seqs {fr.base_seq}..{fr.base_seq + fr.n - 1}",
+                                      path=path, offset=fr.offset)
+            yield recs
+
+    def __iter__(self) -> Iterator[Record]:
+        for batch in self.batches():
+            yield from batch
+
+    @staticmethod
+    def _gap(path: Path, fr: _Frame) -> Gap:
+        try:
+            info = msgspec.msgpack.decode(fr.payload, type=dict[str, str])
+        except msgspec.MsgspecError as e:
+            raise CorruptLogError(f"gap frame does not decode: {e}", path=path, offset=fr.offset) from e
+        return Gap(fr.base_seq, fr.n, info.get("reason", ""), str(path), fr.offset)
+
+
+def read_log(
+    path: str | os.PathLike[str],
+    *,
+    on_torn_tail: TornTailPolicy = "raise",
+    max_frame_bytes: int = DEFAULT_MAX_FRAME,
+) -> list[Record]:
+    """Every record of a log, in sequence order (see :class:`LogReader`)."""
+    out: list[Record] = []
+    for batch in LogReader(path, on_torn_tail=on_torn_tail, max_frame_bytes=max_frame_bytes).batches():
+        out += batch
+    return out
+
+
+def recover(path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> Recovery:
+    """Make a log safe to append to after a crash: repair a torn tail, find the next seq.
+
+    Checks the last segment frame by frame (CRC, chain, sequence; payloads are
+    not decoded) and the earlier segments' headers. A torn tail is copied to
+    ``<segment>.torn.<n>`` and truncated to the last good frame; a segment whose
+    header is torn is moved aside whole. Corruption raises :class:`CorruptLogError`
+    and changes nothing. Stale ``*.tmp`` files of an interrupted rotation are removed.
+    """
+    root = Path(path)
+    removed: list[str] = []
+    if root.is_dir():
+        for tmp in root.glob(f"*{SEGMENT_SUFFIX}.tmp"):
+            tmp.unlink()
+            removed.append(str(tmp))
+    paths = segment_paths(root)
+    repairs: list[Repair] = []
+    next_seq = 0
+    while paths:
+        last = paths[-1]
+        header_size: int | None = None
+        try:
+            for item in _walk(last, last=True, cap=max_frame_bytes, expect=None):
+                if isinstance(item, SegmentHeader):
+                    header_size, next_seq = item.size, item.start_seq
+                else:
+                    next_seq = item.base_seq + item.n
+        except TornTailError as e:
+            rep = _repair(e, header_size)
+            repairs.append(rep)
+            if rep.offset == 0:  # the whole segment was moved aside: the one before is now last
+                paths.pop()
+                continue
+        break
+    for prev, nxt in itertools.pairwise(paths):
+        a, b = read_header(prev), read_header(nxt)
+        if b.start_seq <= a.start_seq:
+            raise CorruptLogError(f"segment starts at seq {b.start_seq}, not after {a.start_seq}", path=nxt, offset=16)
+    return Recovery(str(root), len(paths), next_seq, tuple(repairs), tuple(removed))
