@@ -32,13 +32,7 @@ def drive(data: st.DataObject, scenario: Scenario | None = None, variant: Varian
           invariants: Iterable[Invariant] = (), *, settle: bool = True) -> World:
     """One interleaving chosen by Hypothesis; raises :class:`InvariantViolation` on a broken invariant."""
     world = World(scenario, variant, invariants)
-    for _ in range(world.s.max_steps):
-        choices = world.enabled()
-        # 0 stops: shrinking moves towards short runs; random runs average about 16 steps.
-        pick = data.draw(st.integers(0, 16 * len(choices)), label="next")
-        if pick == 0:
-            break
-        world.choose(choices[(pick - 1) % len(choices)])
+    _choose(world, data)
     if settle:
         world.drain()
         for invariant in END_INVARIANTS:
@@ -132,13 +126,17 @@ def minimize(names: list[str], scenario: Scenario | None, variant: Variant | Non
     return world, message
 
 
-def _run(world: World, data: st.DataObject) -> None:
-    for _ in range(world.s.max_steps):
+def _choose(world: World, data: st.DataObject) -> None:
+    """The run's length first (it shrinks towards short runs), then each step's choice (which
+    shrinks towards the first enabled one)."""
+    steps = data.draw(st.integers(1, world.s.max_steps), label="steps")
+    for _ in range(steps):
         choices = world.enabled()
-        pick = data.draw(st.integers(0, 16 * len(choices)), label="next")
-        if pick == 0:
-            break
-        world.choose(choices[(pick - 1) % len(choices)])
+        world.choose(choices[data.draw(st.integers(0, len(choices) - 1), label="next")])
+
+
+def _run(world: World, data: st.DataObject) -> None:
+    _choose(world, data)
     world.drain()
     for invariant in END_INVARIANTS:
         invariant(world)

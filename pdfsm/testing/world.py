@@ -20,10 +20,12 @@ reused copies the wrong bytes), what each request was promised. The invariants i
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -479,8 +481,9 @@ class World:
                 if cmd.pp_rank > 0 and not self.s.supports_pp:
                     self.pp_asked_of_non_pp += 1
                 self.peers[(rank, cmd.engine_id, cmd.pp_rank)] = {r.tp_rank: r.agent for r in cmd.reply.ranks}
-                self._push(f"adapter {name}", ("event", (name, self._ev(
-                    PeerAdded, engine_id=cmd.engine_id, pp_rank=cmd.pp_rank, attempt=cmd.attempt))))
+                # The adapter adds the peer on the owner thread as it carries the command out.
+                self.apply(name, self._ev(PeerAdded, engine_id=cmd.engine_id, pp_rank=cmd.pp_rank,
+                                          attempt=cmd.attempt))
             elif isinstance(cmd, DropPeer):
                 rank = int(name[1:])
                 in_flight = [k for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
@@ -596,6 +599,21 @@ class World:
                 return
             self.choose(Choice("timer: time passes to the next deadline", frozenset(), self._tick_deadline))
         self.fail(f"the world did not settle within {limit} steps")
+
+    def dump(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Write every core's log in the production format (one log directory per core), so
+        ``pdfsm replay`` replays the counterexample; returns the log directories."""
+        from pdfsm.filelog import segment_name, write_segment
+
+        out = []
+        for name, records in self.records().items():
+            log = Path(directory) / name
+            log.mkdir(parents=True, exist_ok=True)
+            meta = {"engine": name, "variant": self.variant.id, "steps": self.journal}
+            write_segment(log / segment_name(0), [r.row() for r in records], salt=bytes(8), meta=meta,
+                          wall_ns=0, mono_ns=0)
+            out.append(log)
+        return out
 
     def records(self) -> dict[str, list[Record]]:
         for c in self._cores():
