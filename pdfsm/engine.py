@@ -285,7 +285,7 @@ TABLE: Final[Table] = Table(
         on((S.HANDSHAKING, S.CONNECTING), EngineQuarantined, Go(S.FAILED, _quarantine)),
         # CONNECTING: the transport is adding the peer on the owner thread.
         on(S.CONNECTING, EngineWanted, Go(S.CONNECTING, _join)),
-        on(S.CONNECTING, HandshakeDone, Ignore("a reply was already accepted for this attempt")),
+        on(S.CONNECTING, HandshakeDone, _stale_ignored, Ignore("a reply was already accepted for this attempt")),
         on(S.CONNECTING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
         on(S.CONNECTING, PeerAdded, _stale_ignored, Go(S.CONNECTED, _connected)),
         on(S.CONNECTING, PeerDisconnected, Go(S.FAILED, _lost_while_connecting)),

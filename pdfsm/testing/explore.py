@@ -22,7 +22,29 @@ from hypothesis import strategies as st
 from pdfsm.testing.invariants import END_INVARIANTS
 from pdfsm.testing.world import Choice, InvariantViolation, Scenario, Variant, World
 
-__all__ = ["Found", "drive", "exhaust", "hunt", "minimize", "replay_choices"]
+__all__ = ["DEFAULT_SCENARIOS", "Found", "drive", "exhaust", "hunt", "minimize", "replay_choices"]
+
+DEFAULT_SCENARIOS: dict[str, Scenario] = {
+    "basic": Scenario(),
+    "producer TP 2": Scenario(producer_tp=2),
+    "consumer TP 2": Scenario(consumer_tp=2),
+    "producer PP 2": Scenario(producer_pp=2),
+    "PP without transport support": Scenario(producer_pp=2, supports_pp=False),
+    "MLA": Scenario(producer_tp=2, mla=True),
+    "notify-only": Scenario(notify_only=(1,)),
+    "wrong listener": Scenario(wrong_listener=True),
+    "scheduler deadlines": Scenario(scheduler_deadlines=True),
+    "staging full": Scenario(requests=2, max_staged=1),
+    "peer added asynchronously": Scenario(add_peer_async=True),
+    "handshake retries": Scenario(requests=3, faults=frozenset({"handshake-timeout", "disconnect", "evict"})),
+    "late replies": Scenario(requests=3, add_peer_async=True, handshake_retry_ns=0,
+                             faults=frozenset({"handshake-timeout", "disconnect"}),
+                             prefix=("prefill: p0 finishes prefill", "scheduler: D0 asks to read r0",
+                                     "handshake: D0 gets the answer for (P, pp 0) #1: timed out",
+                                     "prefill: p1 finishes prefill", "scheduler: D0 asks to read r1",
+                                     "handshake: D0 gets the answer for (P, pp 0) #2")),
+}
+"""Shapes the CI profile explores; together they reach every reachable cell (tests/test_race.py)."""
 
 Invariant = Callable[[World], None]
 _GLOBAL = frozenset({"time", "collect", "engine"})
@@ -53,8 +75,12 @@ class Found:
 
 
 def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invariants: Iterable[Invariant] = (),
-         *, max_examples: int = 2000, derandomize: bool = True, shrink: bool = True) -> Found:
-    """Search interleavings with Hypothesis until an invariant breaks; shrink it."""
+         *, max_examples: int = 2000, derandomize: bool = True, shrink: bool = True,
+         coverage: set[tuple[str, str, str]] | None = None) -> Found:
+    """Search interleavings with Hypothesis until an invariant breaks; shrink it.
+
+    ``coverage``, when given, collects the (machine, state, event type) cells every run hit.
+    """
     invariants = list(invariants)
     calls, first = 0, None
     last: list[World] = []
@@ -75,6 +101,9 @@ def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invar
             if first is None:
                 first = (calls, time.perf_counter() - start)
             raise
+        finally:
+            if coverage is not None:
+                coverage.update(world.coverage())
 
     try:
         run()
@@ -129,6 +158,10 @@ def minimize(names: list[str], scenario: Scenario | None, variant: Variant | Non
 def _choose(world: World, data: st.DataObject) -> None:
     """The run's length first (it shrinks towards short runs), then each step's choice (which
     shrinks towards the first enabled one)."""
+    for name in world.s.prefix:
+        choice = next((c for c in world.enabled() if c.name == name), None)
+        if choice is not None:
+            world.choose(choice)
     steps = data.draw(st.integers(1, world.s.max_steps), label="steps")
     for _ in range(steps):
         choices = world.enabled()

@@ -16,7 +16,7 @@ from pdfsm import engine as E
 from pdfsm import producer as P
 from pdfsm.commands import FinishedSending, HandOff, SendNotification
 from pdfsm.core import Tables
-from pdfsm.errors import EngineIdMismatch
+from pdfsm.errors import EngineIdMismatch, HandshakeError, UnsupportedPP
 from pdfsm.events import (
     AbortRequested,
     BlocksHeld,
@@ -67,7 +67,7 @@ def _refused_unless_engine_id(m: E.RemoteEngine, ev: HandshakeDone, core: Core) 
 
 
 def _refuse_other(m: E.RemoteEngine, ev: HandshakeDone, core: Core) -> None:
-    E._fail(m, E.validate_reply(m, ev.reply, core) or E.HandshakeError("?"), ev.t_ns, core, drop=False)
+    E._fail(m, E.validate_reply(m, ev.reply, core) or HandshakeError("?"), ev.t_ns, core, drop=False)
 
 
 _ENGINE_ID_UNCHECKED = _engine(
@@ -83,7 +83,7 @@ _read_cell = C.TABLE.cells[(C.S.NEW, ReadRequested)]
 
 def _reply_refused_but_pp(m: E.RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
     error = E.validate_reply(m, ev.reply, core)
-    return error is not None and not isinstance(error, E.UnsupportedPP)
+    return error is not None and not isinstance(error, UnsupportedPP)
 
 
 # pdfsm refuses pp_rank > 0 twice (the request at once, the engine before any handshake): remove both.
@@ -121,8 +121,8 @@ _MLA_LOCAL_ID = _consumer("mla-local-id", on(C.S.READING, HandleDone,
 
 def _engine_failed_fatal(m: C.ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     C._stop_waiting(m, core)
-    core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=C.ConsumerRequest.local_blocks
-                      .fget(m), policy="fail", reason="engine dead"))  # type: ignore[union-attr]
+    core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks, policy="fail",
+                      reason="engine dead"))
     core.finished(m, "failed", ev.t_ns)
 
 
@@ -163,7 +163,7 @@ _ABORT_AFTER_FINISH = _consumer("abort-after-finish", on(C.S.RELEASED, AbortRequ
 
 
 def _failed_silently(m: E.RemoteEngine, ev: HandshakeFailed, core: Core) -> None:
-    m.error = E.HandshakeError(ev.error)
+    m.error = HandshakeError(ev.error)
     m.retry_at = ev.t_ns + core.config.handshake_retry_ns
     m.waiters = {}  # the bug: nobody is told
 
@@ -312,7 +312,8 @@ _base = Scenario(requests=2, faults=frozenset())
 
 MUTANTS: dict[str, Variant] = {v.id: v for v in (
     Variant("vLLM PR 39907", "a reply naming another engine is accepted (engine ids not synced or checked)",
-            _ENGINE_ID_UNCHECKED, scenario=Scenario(requests=1, producer_tp=2, wrong_listener=True, faults=frozenset())),
+            _ENGINE_ID_UNCHECKED,
+            scenario=Scenario(requests=1, producer_tp=2, wrong_listener=True, faults=frozenset())),
     Variant("vLLM PR 43720", "pp_rank > 0 is sent to a transport without PP support",
             _PP_UNCHECKED, scenario=Scenario(requests=1, producer_pp=2, supports_pp=False, faults=frozenset())),
     Variant("vLLM PR 36958", "MLA's notifications to the ranks not read carry the consumer's local id",

@@ -66,6 +66,7 @@ from pdfsm.events import (
     ReadRequested,
     SendFailed,
     Source,
+    StagedDropped,
     Tick,
 )
 from pdfsm.fsm import Fault
@@ -80,7 +81,7 @@ _QUIET = structlog.wrap_logger(structlog.ReturnLogger(),
                                wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "handshake-refuse",
-                    "handshake-timeout", "notify-drop", "notify-duplicate", "forge", "heartbeat", "lease"})
+                    "handshake-timeout", "peer-refused", "notify-drop", "notify-duplicate", "forge", "heartbeat"})
 COMPAT = "race-model-v1"
 
 
@@ -103,6 +104,10 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     scheduler_deadlines: bool = False  # the prefill scheduler hands leases as deadlines on its own clock
     scheduler_clock_offset: int = -1_000  # its clock minus the worker's
     lease_margin_ns: int = 5
+    max_staged: int = 4096  # the producer's bound on staged early notifications
+    add_peer_async: bool = False  # the peer-added outcome is its own step (others may come between)
+    handshake_retry_ns: int = 10  # the pause after a failed handshake before the next request retries
+    prefix: tuple[str, ...] = ()  # choices made first, by name, to start exploring from a deep point
     max_steps: int = 40
 
 
@@ -170,7 +175,8 @@ class World:
                 timers = (self.variant.timers(), self.variant.timers())
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
                                 read_timeout_ns=s.read_timeout_ns,
-                                lease_margin_ns=s.lease_margin_ns, handshake_retry_ns=10, **cfg)
+                                lease_margin_ns=s.lease_margin_ns, handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged,
+                                **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
                         logger=_QUIET)
 
@@ -202,7 +208,10 @@ class World:
         self.transport_calls_off_owner = 0
         self.pp_asked_of_non_pp = 0
         self.disconnected = False
+        self.disconnects = 0
         self.faults_used: set[str] = set()
+        self.aborts: dict[str, int] = {}
+        self.refuse_peer = False
         self.heartbeats = 0
         for i in range(s.requests):
             self._push("prefill-scheduler", ("finish", i))
@@ -240,17 +249,17 @@ class World:
         for i in range(self.s.requests):
             rid = self.crid(i)
             if "abort" in faults and any((r, rid) in self.requested for r in range(self.s.consumer_tp)) \
-                    and f"abort {rid}" not in self.faults_used:
+                    and self.aborts.get(rid, 0) < 2:  # twice: a repeated abort is real too
                 out.append(Choice(f"scheduler: decode aborts {rid}", frozenset({f"c:{rid}"}),
                                   partial(self._abort, rid)))
             if "heartbeat" in faults and self.heartbeats < 2 and self._promised(i):
                 out.append(Choice(f"scheduler: decode heartbeats {self.prid(i)}", frozenset({f"p:{self.prid(i)}"}),
                                   partial(self._heartbeat, i)))
-        if "disconnect" in faults and not self.disconnected and self.peers:
+        if "disconnect" in faults and self.disconnects < 2 and (self.peers or self.disconnected):  # may repeat
             out.append(Choice("fault: the producer disconnects", frozenset({"engine"}), self._disconnect))
-        if "evict" in faults and self.peers and "evict" not in self.faults_used:
+        if "evict" in faults and "evict again" not in self.faults_used:  # at most twice per run
             out.append(Choice("timer: idle eviction of the producer engine", frozenset({"engine"}), self._evict))
-        if "forge" in faults and "forge" not in self.faults_used:
+        if "forge" in faults and "forge again" not in self.faults_used:
             out.append(Choice("fault: a forged notification reaches the producer", frozenset({"p:forged"}),
                               self._forge))
         return out
@@ -287,7 +296,16 @@ class World:
                 out.append(Choice(f"{name}: refused", keys, lambda: self._answer(source, rank, cmd, "refuse")))
             if "handshake-timeout" in faults:
                 out.append(Choice(f"{name}: timed out", keys, lambda: self._answer(source, rank, cmd, "timeout")))
+            if "peer-refused" in faults:
+                out.append(Choice(f"{name}: the transport refuses the peer", keys,
+                                  lambda: self._answer(source, rank, cmd, "peer-refused")))
             return out
+        if kind == "late-reply":  # the abandoned attempt resolves anyway: a stale answer either way
+            rank, cmd = payload
+            name = f"handshake: D{rank} gets a late answer for ({cmd.engine_id}, pp {cmd.pp_rank}) #{cmd.attempt}"
+            return [Choice(name, frozenset({"engine"}), lambda: self._answer(source, rank, cmd, "late")),
+                    Choice(f"{name}: refused", frozenset({"engine"}),
+                           lambda: self._answer(source, rank, cmd, "refuse"))]
         if kind == "event":
             target, ev = payload
             return [Choice(f"{source}: {type(ev).__name__} reaches {target}", frozenset({"engine"}),
@@ -421,7 +439,7 @@ class World:
         return [f"D{r}" for r in range(self.s.consumer_tp)] + [f"P{pp}.{tp}" for pp, tp in self.producers]
 
     def _abort(self, rid: str) -> None:
-        self.faults_used.add(f"abort {rid}")
+        self.aborts[rid] = self.aborts.get(rid, 0) + 1
         for rank in range(self.s.consumer_tp):
             self.apply(f"D{rank}", self._ev(AbortRequested, request_id=rid))
 
@@ -436,31 +454,35 @@ class World:
             self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns))
 
     def _evict(self) -> None:
-        self.faults_used.add("evict")
+        self.faults_used.add("evict again" if "evict" in self.faults_used else "evict")
         for rank in range(self.s.consumer_tp):
             for pp in range(self.s.producer_pp):
                 self.apply(f"D{rank}", self._ev(EvictRequested, engine_id="P", pp_rank=pp))
 
     def _disconnect(self) -> None:
         self.disconnected = True
+        self.disconnects += 1
         for rank in range(self.s.consumer_tp):
             for pp in range(self.s.producer_pp):
                 self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id="P", pp_rank=pp, detail="gone"))
 
     def _forge(self) -> None:
-        self.faults_used.add("forge")
+        again = "forge" in self.faults_used
+        self.faults_used.add("forge again" if again else "forge")
         name = self._core_names()[self.s.consumer_tp]
-        self.apply(name, self._ev(NotificationReceived, request_id="forged", part=0, of=1, sender="mallory"))
+        self.apply(name, self._ev(NotificationReceived, request_id="forged2" if again else "forged", part=0, of=1,
+                                  sender="mallory"))
 
     # --- the simulated network and transport -------------------------------------------------------
 
     def _answer(self, source: str, rank: int, cmd: StartHandshake, how: str) -> None:
         self.sources[source].popleft()
         common = {"engine_id": cmd.engine_id, "pp_rank": cmd.pp_rank, "attempt": cmd.attempt}
-        if how == "refuse" or (how == "ok" and self.disconnected):
+        if how == "refuse" or (how in ("ok", "peer-refused") and self.disconnected):
             ev: Event = self._ev(HandshakeFailed, **common, error="connection refused")
-        elif how == "timeout":
+        elif how == "timeout":  # the reply still comes, late: a stale answer to an abandoned attempt
             ev = self._ev(HandshakeFailed, **common, error="timed out")
+            self._push(f"late handshake D{rank} {cmd.pp_rank}", ("late-reply", (rank, cmd)))
         else:
             engine = "Q" if how == "wrong" else "P"
             ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t))
@@ -468,6 +490,7 @@ class World:
             reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
                                    pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks)
             ev = self._ev(HandshakeDone, **common, reply=reply)
+            self.refuse_peer = how == "peer-refused"
             if "add-peer-off-owner" in self.variant.quirks:
                 self.transport_calls_off_owner += 1  # the handshake thread touches the transport
         self.apply(f"D{rank}", ev)
@@ -480,10 +503,17 @@ class World:
                 rank = int(name[1:])
                 if cmd.pp_rank > 0 and not self.s.supports_pp:
                     self.pp_asked_of_non_pp += 1
-                self.peers[(rank, cmd.engine_id, cmd.pp_rank)] = {r.tp_rank: r.agent for r in cmd.reply.ranks}
                 # The adapter adds the peer on the owner thread as it carries the command out.
-                self.apply(name, self._ev(PeerAdded, engine_id=cmd.engine_id, pp_rank=cmd.pp_rank,
-                                          attempt=cmd.attempt))
+                common = {"engine_id": cmd.engine_id, "pp_rank": cmd.pp_rank, "attempt": cmd.attempt}
+                if self.refuse_peer:
+                    self.refuse_peer = False
+                    self.apply(name, self._ev(HandshakeFailed, **common, error="transport refused the peer"))
+                    continue
+                self.peers[(rank, cmd.engine_id, cmd.pp_rank)] = {r.tp_rank: r.agent for r in cmd.reply.ranks}
+                if self.s.add_peer_async:
+                    self._push(f"adapter {name}", ("event", (name, self._ev(PeerAdded, **common))))
+                else:
+                    self.apply(name, self._ev(PeerAdded, **common))
             elif isinstance(cmd, DropPeer):
                 rank = int(name[1:])
                 in_flight = [k for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
@@ -571,7 +601,9 @@ class World:
         parts = self.delivered.get((name, cmd.request_id), set())
         in_time = self.registered.get((agent, cmd.request_id), 0) < self.lease_from.get((agent, cmd.request_id), 0) \
             + self.s.lease_ns  # registered after its lease ended: expiring at once is right
-        if cmd.expired and in_time and parts and len(parts) == next(iter(parts))[1]:
+        dropped = any(isinstance(row[1], StagedDropped) and row[1].request_id == cmd.request_id
+                      for row in self.core(name).log.window)  # staging was full: an explicit, recorded loss
+        if cmd.expired and in_time and not dropped and parts and len(parts) == next(iter(parts))[1]:
             self.fail(f"{name} kept {cmd.request_id} until its lease expired although every consumer part "
                       f"had notified it: {sorted(parts)}")
         self.freed.setdefault((agent, cmd.request_id), []).append(cmd)
