@@ -174,9 +174,8 @@ class World:
             if self.variant.timers is not None:
                 timers = (self.variant.timers(), self.variant.timers())
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
-                                read_timeout_ns=s.read_timeout_ns,
-                                lease_margin_ns=s.lease_margin_ns, handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged,
-                                **cfg)
+                                read_timeout_ns=s.read_timeout_ns, lease_margin_ns=s.lease_margin_ns,
+                                handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged, **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
                         logger=_QUIET)
 
