@@ -69,9 +69,10 @@ class Found:
     found: bool
     examples: int  # interleavings generated up to the first failure (all of them if none failed)
     seconds: float  # until the first failure
-    steps: int = 0  # choices in the shrunk counterexample
+    steps: int = 0  # steps in the shrunk counterexample
     message: str = ""
     world: World | None = field(default=None, repr=False)
+    total_steps: int = 0  # steps taken over every interleaving tried, shrinking included
 
 
 def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invariants: Iterable[Invariant] = (),
@@ -82,7 +83,7 @@ def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invar
     ``coverage``, when given, collects the (machine, state, event type) cells every run hit.
     """
     invariants = list(invariants)
-    calls, first = 0, None
+    calls, first, total = 0, None, 0
     last: list[World] = []
     start = time.perf_counter()
     phases = [Phase.generate, Phase.shrink] if shrink else [Phase.generate]
@@ -102,6 +103,8 @@ def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invar
                 first = (calls, time.perf_counter() - start)
             raise
         finally:
+            nonlocal total
+            total += world.step_no
             if coverage is not None:
                 coverage.update(world.coverage())
 
@@ -110,8 +113,8 @@ def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invar
     except InvariantViolation as exc:
         assert first is not None
         world, message = minimize(last[0].chosen, scenario, variant, invariants) or (last[0], str(exc))
-        return Found(True, first[0], first[1], world.step_no, message, world)
-    return Found(False, calls, time.perf_counter() - start)
+        return Found(True, first[0], first[1], world.step_no, message, world, total)
+    return Found(False, calls, time.perf_counter() - start, total_steps=total)
 
 
 def replay_choices(names: list[str], scenario: Scenario | None, variant: Variant | None,
