@@ -229,6 +229,36 @@ def copy_time(case: Case, threads: int = 0) -> float:
         torch.set_num_threads(saved)
 
 
+def setup_costs(case: Case, raw: Raw, reps: int = 25) -> dict[str, Any]:
+    """Microseconds to set a read up without moving it (median), the way the transport does:
+    ``prepped`` builds block indices and calls ``make_prepped_xfer``; ``descs`` coalesces, then
+    ``get_xfer_descs`` twice and ``initialize_xfer``. Each handle is released unposted."""
+    agent, peer = raw.agent, case.transport.peers[(case.engine, 0)][0]
+    out: dict[str, Any] = {"regions": case.regions, "block_bytes": case.bs}
+    for table in TABLES:
+        for n in sorted({16, 256, case.blocks}):
+            local, remote = case.tables[table][0][:n], case.tables[table][1][:n]
+            costs: dict[str, list[float]] = {"prepped": [], "descs": []}
+            ndescs = 0
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                li = block_indices(local, case.blocks, case.regions)
+                ri = block_indices(remote, case.blocks, case.regions)
+                agent.make_prepped_xfer("READ", raw.local, li, raw.remote, ri, raw.note).release()
+                t1 = time.perf_counter()
+                dl, dr = read_descs(local, remote, case.transport.regions, peer.regions)
+                agent.initialize_xfer("READ", agent.get_xfer_descs(dl, "DRAM"), agent.get_xfer_descs(dr, "DRAM"),
+                                      case.peer, raw.note).release()
+                t2 = time.perf_counter()
+                costs["prepped"].append(t1 - t0)
+                costs["descs"].append(t2 - t1)
+                ndescs = len(dl)
+            out[f"{table}/{n}"] = {"prepped_us": round(statistics.median(costs["prepped"]) * 1e6, 1),
+                                   "descs_us": round(statistics.median(costs["descs"]) * 1e6, 1),
+                                   "coalesced_descriptors": ndescs, "per_block_descriptors": n * case.regions}
+    return out
+
+
 def timed(method: str, case: Case, raw: Raw, table: str) -> float:
     if method == "pdfsm":
         return case.pdfsm(table, "prepped")
@@ -292,6 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for table in TABLES:
                     for m in METHODS if rep % 2 == 0 else METHODS[::-1]:
                         times[(case.bs, table)][m].append(timed(m, case, raw, table))
+        setup = setup_costs(*cases[0])
         for case, _ in cases:
             for table in TABLES:
                 results.append(summarize(case, table, times[(case.bs, table)]))
@@ -314,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "statistic": "best of reps (medians alongside)", "ucx_tls": os.environ.get("UCX_TLS", "default"),
                   "seconds": round(time.perf_counter() - t_start, 1)},
         "cases": results,
+        "setup_cost": setup,
     }
 
 
@@ -358,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
               f"worst descs/raw descs: {out['pdfsm_descs_vs_raw_descs']:.3f}; "
               f"worst contiguous pdfsm/copy_: {out['coalesced_contiguous_vs_copy']:.2f} (goal >= 0.5); "
               f"{out['setup']['seconds']} s")
+        cost = out["setup_cost"]
+        print(f"\nsetting a read up, {cost['block_bytes']}-byte blocks, {cost['regions']} regions (median us):")
+        for key, v in cost.items():
+            if isinstance(v, dict):
+                print(f"  {key:>16} blocks: prepped {v['prepped_us']:8.1f}  descs {v['descs_us']:8.1f}"
+                      f"  ({v['coalesced_descriptors']} coalesced of {v['per_block_descriptors']} descriptors)")
     return 0
 
 

@@ -166,3 +166,25 @@ def test_block_indices_are_region_major() -> None:
     assert block_indices([2, 0], 3, 2).tolist() == [2, 0, 5, 3]
     with pytest.raises(SliceError):
         block_indices([3], 3, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tables(), st.integers(1, 4), st.booleans(), st.data())
+def test_read_descs_equals_coalescing_region_by_region(
+    t: tuple[list[int], list[int], Region, Region, int, int, int, int], nreg: int, merge: bool,
+    data: st.DataObject,
+) -> None:
+    local, remote, lreg, rreg, li, ls, ri, rs = t
+    # Regions of the same geometry at other bases and devices, some adjacent in memory.
+    lregs = [lreg._replace(base=lreg.base + k * data.draw(st.sampled_from([lreg.stride * lreg.num_blocks, 1 << 24])),
+                           device=data.draw(st.integers(0, 1))) for k in range(nreg)]
+    rregs = [rreg._replace(base=rreg.base + k * rreg.stride * rreg.num_blocks) for k in range(nreg)]
+    kw = {"local_slice": li, "local_slices": ls, "remote_slice": ri, "remote_slices": rs}
+    dl, dr = read_descs(local, remote, lregs, rregs, merge=merge, **kw)
+    parts = [block_descs(local, remote, a, b, **kw) for a, b in zip(lregs, rregs, strict=True)]
+    if merge:
+        parts = [coalesce(a, b) for a, b in parts]
+    want_l = np.concatenate([a for a, _ in parts]) if parts else np.empty((0, 3), dtype=np.uint64)
+    want_r = np.concatenate([b for _, b in parts]) if parts else np.empty((0, 3), dtype=np.uint64)
+    assert dl.tolist() == want_l.tolist()
+    assert dr.tolist() == want_r.tolist()

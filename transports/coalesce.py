@@ -170,23 +170,45 @@ def read_descs(
     """Every descriptor of one read, region after region, coalesced within each region.
 
     Region ``k`` of the local side pairs with region ``k`` of the remote side (the
-    same layer and K/V cache on both engines).
+    same layer and K/V cache on both engines). The same result as :func:`block_descs`
+    and :func:`coalesce` region by region, computed for all regions at once (a few
+    NumPy calls whatever the number of regions).
     """
-    if len(local_regions) != len(remote_regions):
-        raise SliceError(f"{len(local_regions)} local regions for {len(remote_regions)} remote regions")
-    parts_l: list[DescArray] = []
-    parts_r: list[DescArray] = []
+    nreg = len(local_regions)
+    if nreg != len(remote_regions):
+        raise SliceError(f"{nreg} local regions for {len(remote_regions)} remote regions")
+    if nreg == 0:
+        return np.empty((0, 3), dtype=np.uint64), np.empty((0, 3), dtype=np.uint64)
+    lb = _ids(local_blocks, min(r.num_blocks for r in local_regions), "local").astype(np.uint64)
+    rb = _ids(remote_blocks, min(r.num_blocks for r in remote_regions), "remote").astype(np.uint64)
+    if lb.size != rb.size:
+        raise SliceError(f"{lb.size} local blocks for {rb.size} remote blocks")
+    n = lb.size
+    cols: list[list[int]] = [[] for _ in range(7)]  # local base, stride, device, remote ..., slice length
     for lreg, rreg in zip(local_regions, remote_regions, strict=True):
-        dl, dr = block_descs(local_blocks, remote_blocks, lreg, rreg, local_slice=local_slice,
-                             local_slices=local_slices, remote_slice=remote_slice, remote_slices=remote_slices)
-        if merge:
-            dl, dr = coalesce(dl, dr)
-        parts_l.append(dl)
-        parts_r.append(dr)
-    if not parts_l:
-        empty = np.empty((0, 3), dtype=np.uint64)
-        return empty, empty.copy()
-    return np.concatenate(parts_l), np.concatenate(parts_r)
+        loff, llen = slice_span(lreg.stride, local_slices, local_slice)
+        roff, rlen = slice_span(rreg.stride, remote_slices, remote_slice)
+        if llen != rlen:
+            raise SliceError(f"slice sizes differ: local {llen} bytes, remote {rlen} bytes")
+        for col, v in zip(cols, (lreg.base + loff, lreg.stride, lreg.device, rreg.base + roff, rreg.stride,
+                                 rreg.device, llen), strict=True):
+            col.append(v)
+    lbase, lstride, ldev, rbase, rstride, rdev, length = (np.array(c, dtype=np.uint64).reshape(nreg, 1) for c in cols)
+    la = lbase + lb[None, :] * lstride  # (regions, blocks)
+    ra = rbase + rb[None, :] * rstride
+    if merge and n > 1:
+        cont = (la[:, 1:] == la[:, :-1] + length) & (ra[:, 1:] == ra[:, :-1] + length)
+        starts = np.flatnonzero(np.concatenate((np.ones((nreg, 1), dtype=bool), ~cont), axis=1).ravel())
+    else:
+        starts = np.arange(nreg * n)
+    region = starts // max(n, 1)
+    runs = np.diff(np.append(starts, nreg * n)).astype(np.uint64)  # a run never crosses a region
+    nbytes = runs * length[region, 0]
+    out_l = np.empty((starts.size, 3), dtype=np.uint64)
+    out_r = np.empty((starts.size, 3), dtype=np.uint64)
+    out_l[:, 0], out_l[:, 1], out_l[:, 2] = la.ravel()[starts], nbytes, ldev[region, 0]
+    out_r[:, 0], out_r[:, 1], out_r[:, 2] = ra.ravel()[starts], nbytes, rdev[region, 0]
+    return out_l, out_r
 
 
 def block_indices(blocks: Blocks, num_blocks: int, num_regions: int) -> npt.NDArray[np.int32]:
