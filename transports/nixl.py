@@ -489,12 +489,9 @@ class NixlTransport:
 
     def _poll_raised(self, read: _Read, exc: Exception) -> None:
         detail = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, self._errors["not_found"]):
-            # NIXL deletes a handle whose remote agent vanished before it reports NOT_FOUND;
-            # releasing it again would be a use after free, so it is dropped unreleased.
-            read.handle = None
-        else:
-            self._release_read(read)
+        # NIXL 1.5.1 keeps the handle after a raising poll (NOT_FOUND included: checked), and an
+        # unreleased one leaks UCX requests, so it is released; a release that raises is logged.
+        self._release_read(read)
         if isinstance(exc, self._errors["disconnect"]):
             key = read.peer.key
             self._end(read, HandleFailure.DISCONNECTED, detail)
@@ -622,7 +619,7 @@ def _error_types(api: ModuleType) -> dict[str, type[BaseException]]:
         found = getattr(bindings, name, None)
         return found if isinstance(found, type) and issubclass(found, BaseException) else _Never
 
-    return {"disconnect": get("nixlRemoteDisconnectError"), "not_found": get("nixlNotFoundError")}
+    return {"disconnect": get("nixlRemoteDisconnectError")}
 
 
 class _Never(Exception):
