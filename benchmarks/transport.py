@@ -2,33 +2,41 @@
 
 Two OS processes, like a real prefill/decode pair on one host: this script starts
 itself with ``--serve`` as the producer (prefill) rank, which owns, per block size,
-a NIXL agent over ``--regions`` KV tensors of random bytes (``--total-mib`` in all),
+a NIXL agent over ``--regions`` KV tensors of random bytes (``--total-mib`` in all)
 and keeps making progress; the consumer (decode) rank, here, reads them. Metadata
 crosses the pipe as hex of msgspec MessagePack (nothing pickled).
 
-For every block size (4 KiB, 16 KiB, 64 KiB, 1 MiB by default) and block table
-(``contiguous``: block ``i`` into block ``i``; ``shuffled``: both tables random
-permutations), each read moves every block of every region, and these are timed,
-interleaved, ``--reps`` times each (best of, and median, reported):
+Cases: every block size (4 KiB, 16 KiB, 64 KiB, 1 MiB by default; the bytes of one
+block of one region) and block table (``contiguous``: block ``i`` into block ``i``;
+``shuffled``: both tables random permutations). Each read moves every block of every
+region (64 MiB). Methods:
 
 - ``pdfsm``: a Connector-driven read, from ``Connector.load`` to the step whose
-  ``get_finished`` reports it (handshake and connection set up by a warm-up read);
-  the transport prepares descriptor lists once per peer (``xfer_mode="prepped"``).
+  ``get_finished`` reports it (handshake, connection and prepared lists set up by a
+  warm-up read); the transport's default ``xfer_mode="prepped"``.
 - ``pdfsm_descs``: the same with ``xfer_mode="descs"`` (coalesced in Python, then
   ``get_xfer_descs`` + ``initialize_xfer`` per read).
-- ``raw``: NIXL driven by hand on the same agent with the same prepared
-  descriptors and indices (computed before timing): ``make_prepped_xfer``,
-  ``transfer``, ``check_xfer_state`` until done, release.
+- ``raw``: NIXL driven by hand on the same agent with the same prepared descriptors
+  and indices (computed before timing): ``make_prepped_xfer``, ``transfer``,
+  ``check_xfer_state`` until done, release.
 - ``raw_descs``: by hand, ``get_xfer_descs`` + ``initialize_xfer`` on the same
   coalesced descriptors pdfsm builds.
-- ``copy``: ``Tensor.copy_`` of the same number of bytes within this process (from
-  touched, random memory), the memory-bandwidth limit.
+- ``copy`` / ``copy_1t``: ``Tensor.copy_`` of the same bytes within this process
+  (from touched, random memory) with torch's default threads / one thread: the
+  memory-bandwidth limit.
 
-Bytes are verified after the first timed pdfsm read of every case. ``--json``
-prints one JSON object: ``pdfsm_vs_raw_nixl`` (the worst, over cases, of pdfsm's
-best GiB/s over raw's), ``pdfsm_descs_vs_raw_descs``, ``coalesced_contiguous_vs_copy``
-(the worst, over contiguous cases, of pdfsm's best over copy's best), and per-case
-figures.
+The machine is shared and noisy, so the script runs ``--reps`` *rounds*, each of
+every case and every method once (the order of methods flips every round), so every
+case sees the same phases of the noise. Bandwidth is the best of the rounds (median
+alongside). pdfsm against raw NIXL is, per case, the median of the ratios of the
+back-to-back pdfsm and raw runs of each round; the ratio of two best-of figures is
+printed too but is a lottery here. Bytes are verified once per case before timing.
+
+``--json`` prints one JSON object: ``pdfsm_vs_raw_nixl`` (worst case),
+``pdfsm_vs_raw_nixl_best_of``, ``pdfsm_descs_vs_raw_descs``,
+``coalesced_contiguous_vs_copy`` (worst contiguous case, best-of pdfsm over best-of
+copy_), ``prepped_vs_descs_median``, per-case figures (``cases``) and the cost of
+setting a read up in each mode (``setup_cost``).
 
     PYTHONPATH=$PWD python benchmarks/transport.py [--json]
 """
@@ -334,15 +342,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.wait(30)
     contiguous = [r for r in results if r["table"] == "contiguous"]
     return {
-        "pdfsm_vs_raw_nixl": min(r["pdfsm_vs_raw"] for r in results),
-        "pdfsm_vs_raw_nixl_median_of_pairs": min(r["pdfsm_vs_raw_median_of_pairs"] for r in results),
+        # pdfsm against raw NIXL: per case, the median of the ratios of back-to-back runs (both
+        # see the same moment of a noisy machine), then the worst case. The ratio of the two
+        # best-of figures, alongside, is a lottery on this machine (one lucky run decides it).
+        "pdfsm_vs_raw_nixl": min(r["pdfsm_vs_raw_median_of_pairs"] for r in results),
+        "pdfsm_vs_raw_nixl_best_of": min(r["pdfsm_vs_raw"] for r in results),
         "pdfsm_descs_vs_raw_descs": min(r["pdfsm_descs_vs_raw_descs"] for r in results),
         "coalesced_contiguous_vs_copy": min(r["pdfsm_vs_copy"] for r in contiguous),
         "prepped_vs_descs_median": statistics.median(
             r["best_gib_s"]["pdfsm"] / r["best_gib_s"]["pdfsm_descs"] for r in results),
         "setup": {"processes": 2, "regions": args.regions, "bytes_per_read": args.total, "reps": args.reps,
                   "torch_threads": torch.get_num_threads(),
-                  "statistic": "best of reps (medians alongside)", "ucx_tls": os.environ.get("UCX_TLS", "default"),
+                  "statistic": "GiB/s: best of rounds (medians alongside); pdfsm/raw: median of back-to-back pairs",
+                  "ucx_tls": os.environ.get("UCX_TLS", "default"),
                   "seconds": round(time.perf_counter() - t_start, 1)},
         "cases": results,
         "setup_cost": setup,
@@ -359,7 +371,7 @@ def row(r: dict[str, Any]) -> str:
 
 def header() -> str:
     cols = " ".join(f"{k:>13}" for k in METHODS)
-    return (f"{'block':>6} {'table':>10} {cols}  pdfsm/raw (pairs)  descs/raw  pdfsm/copy\n"
+    return (f"{'block':>6} {'table':>10} {cols}  pdfsm/raw best pairs  descs/raw  pdfsm/copy\n"
             f"{'':>18}GiB/s: best of reps (median)")
 
 
@@ -369,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=64, help="bytes per read, MiB (default 64)")
     ap.add_argument("--regions", type=int, default=16,
                     help="KV regions per rank, a layer's K or V each (default 16; real models have 32-160)")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=21, help="rounds over every case and method (default 21)")
     ap.add_argument("--sizes", default="4096,16384,65536,1048576", help="block sizes in bytes")
     ap.add_argument("--num-threads", type=int, default=0, help="UCX backend threads of the reading agent")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -386,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"\nworst pdfsm/raw NIXL: {out['pdfsm_vs_raw_nixl']:.3f} (goal >= 0.95); "
+        print(f"\nworst pdfsm/raw NIXL (median of pairs): {out['pdfsm_vs_raw_nixl']:.3f} (goal >= 0.95), "
+              f"best-of ratio {out['pdfsm_vs_raw_nixl_best_of']:.3f}; "
               f"worst descs/raw descs: {out['pdfsm_descs_vs_raw_descs']:.3f}; "
               f"worst contiguous pdfsm/copy_: {out['coalesced_contiguous_vs_copy']:.2f} (goal >= 0.5); "
               f"{out['setup']['seconds']} s")
