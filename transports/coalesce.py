@@ -27,6 +27,7 @@ torch transports and checked by property tests against the per-block expansion.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -220,5 +221,11 @@ def block_indices(blocks: Blocks, num_blocks: int, num_regions: int) -> npt.NDAr
         raise SliceError(f"{num_regions} x {num_blocks} prepared entries do not fit 32-bit indices")
     if num_regions == 1:
         return ids.astype(np.int32)
-    offsets = np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks
-    return (offsets + ids[None, :]).reshape(-1).astype(np.int32)
+    return (_offsets(num_regions, num_blocks) + ids.astype(np.int32)[None, :]).reshape(-1)
+
+
+@lru_cache(maxsize=64)
+def _offsets(num_regions: int, num_blocks: int) -> npt.NDArray[np.int32]:
+    offsets = np.arange(num_regions, dtype=np.int32)[:, None] * np.int32(num_blocks)
+    offsets.setflags(write=False)
+    return offsets

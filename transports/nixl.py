@@ -190,7 +190,7 @@ def decode_rank_metadata(raw: bytes) -> NixlRankMetadata:
 class _Peer:
     """One remote rank: its agent, regions and prepared descriptor lists."""
 
-    __slots__ = ("agent", "key", "kind", "prepped", "reads", "regions", "tp_rank")
+    __slots__ = ("agent", "geometries", "key", "kind", "prepped", "reads", "regions", "tp_rank")
 
     def __init__(self, key: EngineKey, tp_rank: int, agent: str, meta: NixlRankMetadata) -> None:
         self.key, self.tp_rank, self.agent = key, tp_rank, agent
@@ -198,6 +198,7 @@ class _Peer:
         self.kind: MemKind = meta.regions[0].kind
         self.prepped: dict[tuple[int, int], Any] = {}  # (slices, slice) -> nixl_prepped_dlist_handle
         self.reads = 0  # reads of ours to this rank still alive
+        self.geometries: set[tuple[int, int, int, int]] = set()  # slice geometries found consistent
 
 
 class _Read:
@@ -400,11 +401,14 @@ class NixlTransport:
 
     def _prepped_xfer(self, cmd: PostRead, peer: _Peer, note: bytes) -> Any:
         src = cmd.source
-        for lreg, rreg in zip(self.regions, peer.regions, strict=True):
-            llen = slice_span(lreg.stride, src.local_slices, src.local_slice)[1]
-            rlen = slice_span(rreg.stride, src.remote_slices, src.remote_slice)[1]
-            if llen != rlen:
-                raise SliceError(f"slice sizes differ: local {llen} bytes, remote {rlen} bytes")
+        geometry = (src.local_slices, src.local_slice, src.remote_slices, src.remote_slice)
+        if geometry not in peer.geometries:  # checked once per peer and slice geometry
+            for lreg, rreg in zip(self.regions, peer.regions, strict=True):
+                llen = slice_span(lreg.stride, src.local_slices, src.local_slice)[1]
+                rlen = slice_span(rreg.stride, src.remote_slices, src.remote_slice)[1]
+                if llen != rlen:
+                    raise SliceError(f"slice sizes differ: local {llen} bytes, remote {rlen} bytes")
+            peer.geometries.add(geometry)
         local = self._local_list(src.local_slices, src.local_slice)
         remote = self._remote_list(peer, src.remote_slices, src.remote_slice)
         # Region-major indices; every region of a rank has the same block count.
