@@ -287,6 +287,7 @@ def summarize(case: Case, table: str, times: dict[str, list[float]]) -> dict[str
             "best_gib_s": best, "median_gib_s": median,
             "pdfsm_vs_raw": best["pdfsm"] / best["raw"],
             "pdfsm_vs_raw_median_of_pairs": statistics.median(pairs),
+            "pdfsm_vs_raw_pairs_quartiles": [round(q, 3) for q in statistics.quantiles(pairs, n=4)],
             "pdfsm_descs_vs_raw_descs": best["pdfsm_descs"] / best["raw_descs"],
             "pdfsm_vs_copy": best["pdfsm"] / best["copy"]}
 
