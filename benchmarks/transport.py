@@ -63,7 +63,7 @@ from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import CoreConfig, Event, HandshakeReply, RankInfo
 from pdfsm.wire import Notification, notify_codec
 from transports.coalesce import block_indices, read_descs
-from transports.nixl import NixlTransport, _all_blocks
+from transports.nixl import NixlTransport, _all_blocks, import_nixl
 from transports.sim import SimHandshaker, SimNetwork
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +73,10 @@ TABLES = ("contiguous", "shuffled")
 
 
 def quiet() -> None:
-    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api", "nixl_cu12", "nixl"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """NIXL configures its "nixl" logger, INFO to stdout, when first imported: import it, then
+    lower it (stdout carries this script's table or JSON)."""
+    import_nixl()
+    logging.getLogger("nixl").setLevel(logging.WARNING)
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -30,7 +30,7 @@ import torch
 from pdfsm.connector import Connector
 from pdfsm.events import CoreConfig, NotificationReceived, RankInfo
 from pdfsm.log import EventLog, Row
-from transports.nixl import NixlTransport
+from transports.nixl import NixlTransport, import_nixl
 from transports.sim import SimHandshaker, SimNetwork
 
 
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-s", type=float, default=120.0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    import_nixl()
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs INFO to stdout by default
     tensors = expected_regions(args.seed, args.regions, args.blocks, args.block_bytes)
     transport = NixlTransport(args.agent, tensors, tp_rank=args.tp_rank)
     config = CoreConfig(engine_id=args.engine, tp_rank=args.tp_rank, tp_size=args.tp_size,
