@@ -21,7 +21,7 @@ releases blocks that are still being read. Two ways to describe a read
   ``make_prepped_xfer`` with region-major block indices; NIXL merges indices that
   are adjacent on both sides into one descriptor, the same runs
   :mod:`transports.coalesce` finds (checked: NIXL's telemetry counts one
-  descriptor for a contiguous table).
+  descriptor for a contiguous table of one region).
 - ``"descs"``: the block table is coalesced in Python
   (:func:`transports.coalesce.read_descs`) and posted with
   ``get_xfer_descs`` + ``initialize_xfer``. Kept for comparison and for backends
