@@ -34,8 +34,8 @@ printed too but is a lottery here. Bytes are verified once per case before timin
 
 ``--json`` prints one JSON object: ``pdfsm_vs_raw_nixl`` (worst case),
 ``pdfsm_vs_raw_nixl_best_of``, ``pdfsm_descs_vs_raw_descs``,
-``coalesced_contiguous_vs_copy`` (worst contiguous case, best-of pdfsm over best-of
-copy_), ``prepped_vs_descs_median``, per-case figures (``cases``) and the cost of
+``coalesced_contiguous_vs_copy`` (worst contiguous case: best-of pdfsm over the
+best copy_ of the run, ``copy_gib_s``), ``prepped_vs_descs_median``, per-case figures (``cases``) and the cost of
 setting a read up in each mode (``setup_cost``).
 
     PYTHONPATH=$PWD python benchmarks/transport.py [--json]
@@ -344,6 +344,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stdin.close()
         server.wait(30)
     contiguous = [r for r in results if r["table"] == "contiguous"]
+    # copy_ is the same operation in every case (the same bytes in the same region shapes), so
+    # the memory limit is its best over the whole run: one number, not a per-case lottery.
+    copy_limit = max(r["best_gib_s"]["copy"] for r in results)
     return {
         # pdfsm against raw NIXL: per case, the median of the ratios of back-to-back runs (both
         # see the same moment of a noisy machine), then the worst case. The ratio of the two
@@ -351,7 +354,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pdfsm_vs_raw_nixl": min(r["pdfsm_vs_raw_median_of_pairs"] for r in results),
         "pdfsm_vs_raw_nixl_best_of": min(r["pdfsm_vs_raw"] for r in results),
         "pdfsm_descs_vs_raw_descs": min(r["pdfsm_descs_vs_raw_descs"] for r in results),
-        "coalesced_contiguous_vs_copy": min(r["pdfsm_vs_copy"] for r in contiguous),
+        "coalesced_contiguous_vs_copy": min(r["best_gib_s"]["pdfsm"] for r in contiguous) / copy_limit,
+        "copy_gib_s": copy_limit,
+        "copy_1t_gib_s": max(r["best_gib_s"]["copy_1t"] for r in results),
         "prepped_vs_descs_median": statistics.median(
             r["best_gib_s"]["pdfsm"] / r["best_gib_s"]["pdfsm_descs"] for r in results),
         "setup": {"processes": 2, "regions": args.regions, "bytes_per_read": args.total, "reps": args.reps,
