@@ -35,8 +35,8 @@ printed too but is a lottery here. Bytes are verified once per case before timin
 ``--json`` prints one JSON object: ``pdfsm_vs_raw_nixl`` (worst case),
 ``pdfsm_vs_raw_nixl_best_of``, ``pdfsm_descs_vs_raw_descs``,
 ``coalesced_contiguous_vs_copy`` (worst contiguous case: best-of pdfsm over the
-best copy_ of the run, ``copy_gib_s``), ``prepped_vs_descs_median``, per-case figures (``cases``) and the cost of
-setting a read up in each mode (``setup_cost``).
+best copy_ of the run, ``copy_gib_s``), ``prepped_vs_descs_median``, per-case
+figures (``cases``) and the cost of setting a read up in each mode (``setup_cost``).
 
     PYTHONPATH=$PWD python benchmarks/transport.py [--json]
 """
