@@ -495,6 +495,21 @@ def test_close_reports_reads_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     pr.p.close()
 
 
+def test_progress_thread_does_not_spin() -> None:
+    """NIXL's own default progress thread spins on a core; ours sleeps 100 us between rounds."""
+    import resource
+
+    t = NixlTransport(name("idle"), zero_kv(1, 4, 64))
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(0.5)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        assert cpu < 0.25, f"{cpu:.2f} s of CPU in 0.5 s idle"
+    finally:
+        t.close()
+
+
 def test_capabilities_and_bad_tensors() -> None:
     t = NixlTransport(name("c"), zero_kv(1, 4, 64), supports_pp=False)
     try:

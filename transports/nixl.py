@@ -636,30 +636,29 @@ class _Never(Exception):
     """Stands in for an exception type this NIXL build does not have."""
 
 
-_agent_lock = threading.Lock()
-
-
 def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
                 backends: list[str], num_threads: int) -> Any:
     """A ``nixl_agent`` with the given backends; with ``delay_us`` set, its progress thread
     sleeps that long between rounds. NIXL's Python API hardcodes no delay, so in that case the
     binding-level agent is created with our configuration and the backends are created on it
-    through the public ``create_backend``."""
+    through the public ``create_backend``. A NIXL whose Python API is laid out differently gets
+    its own default agent, with a warning."""
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
     if delay_us is None or not progress_thread:
-        conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends,
-                                     num_threads=num_threads)
         return api.nixl_agent(name, conf)
-    bindings = api.nixlBind
-    with _agent_lock:
-        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        cfg = bindings.nixlAgentConfig()
-        cfg.useProgThread = True
-        cfg.useListenThread = False
-        cfg.syncMode = bindings.NIXL_THREAD_SYNC_NONE
-        cfg.pthrDelay = int(delay_us)
-        cfg.lthrDelay = 100000
-        cfg.captureTelemetry = False
-        agent.agent = bindings.nixlAgent(name, cfg)
+    bindings = getattr(api, "nixlBind", None)
+    if bindings is None or not hasattr(bindings, "nixlAgentConfig") or not hasattr(api.nixl_agent, "create_backend"):
+        _log.warning("this NIXL's Python API cannot set the progress thread's delay; using NIXL's default")
+        return api.nixl_agent(name, conf)
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    cfg = bindings.nixlAgentConfig()
+    cfg.useProgThread = True
+    cfg.useListenThread = False
+    cfg.syncMode = bindings.NIXL_THREAD_SYNC_NONE
+    cfg.pthrDelay = int(delay_us)
+    cfg.lthrDelay = 100000
+    cfg.captureTelemetry = False
+    agent.agent = bindings.nixlAgent(name, cfg)  # the agent without backends is dropped
     init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
     for backend in backends:
         agent.create_backend(backend, init)
