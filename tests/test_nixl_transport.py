@@ -1,0 +1,690 @@
+"""The NIXL transport over real NIXL (UCX backend, host memory).
+
+First several agents in this process (fast): Connector pairs moving blocks with the bytes
+verified, heterogeneous TP both ways, MLA, and the transport's rules one by one (a raising
+poll fails the handle, the drop of a peer waits for its reads, the cancel rule, the thread
+guard). Then a producer in a second OS process (tests/nixl_peer.py): bytes verified, the
+producer released only by the notification that rode on the READ, a cancelled read against a
+stopped peer, and a producer killed with SIGKILL while a READ is in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from pdfsm.commands import PostRead
+from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.events import (
+    BadMessage,
+    CoreConfig,
+    Event,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeReply,
+    Heartbeat,
+    NotificationReceived,
+    PeerDisconnected,
+    RankInfo,
+)
+from pdfsm.topology import ReadSource
+from pdfsm.wire import HeartbeatMessage, Notification
+from transports.base import TransportError
+from transports.nixl import (
+    NixlRankMetadata,
+    NixlTransport,
+    RegionInfo,
+    decode_rank_metadata,
+    nixl_available,
+)
+from transports.sim import SimHandshaker, SimNetwork
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+if nixl_available():  # NIXL sets its "nixl" logger to INFO on stdout when imported
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+ROOT = Path(__file__).resolve().parent.parent
+_names = itertools.count()
+
+
+def name(prefix: str) -> str:
+    """Agent names unique in this process."""
+    return f"{prefix}-{os.getpid()}-{next(_names)}"
+
+
+def random_kv(regions: int, blocks: int, block_bytes: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen) for _ in range(regions)]
+
+
+def zero_kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
+    return [torch.zeros(blocks, block_bytes, dtype=torch.uint8) for _ in range(regions)]
+
+
+class Rank:
+    """One worker: its KV tensors, NIXL transport and Connector."""
+
+    def __init__(self, engine_id: str, net: SimNetwork, tp_rank: int, tp_size: int, kv: list[torch.Tensor],
+                 *, mla: bool = False, host: str = "", **kw: Any) -> None:
+        self.kv = kv
+        self.transport = NixlTransport(name(f"{engine_id}{tp_rank}"), kv, tp_rank=tp_rank, **kw)
+        config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mla=mla, strict=True)
+        self.conn = Connector(config, self.transport, SimHandshaker(net), host=host, port=1)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+
+    def step(self) -> None:
+        s, r = self.conn.get_finished()
+        self.sending |= s
+        self.recving |= r
+
+
+def engine(net: SimNetwork, engine_id: str, tp: int, blocks: int, block_bytes: int, *, fill: bool,
+           mla: bool = False, regions: int = 2, **kw: Any) -> list[Rank]:
+    host = f"{engine_id}-host"
+    ranks = []
+    for r in range(tp):
+        seed = 100 * r + 7
+        kv = random_kv(regions, blocks, block_bytes, seed) if fill else zero_kv(regions, blocks, block_bytes)
+        ranks.append(Rank(engine_id, net, r, tp, kv, mla=mla, host=host, **kw))
+    reply = HandshakeReply(engine_id=engine_id, compat_hash="", tp_size=tp, mla=mla, num_blocks=blocks,
+                           ranks=tuple(rk.transport.rank_info() for rk in ranks))
+    net.serve(host, 1, lambda pp: reply)
+    return ranks
+
+
+def run_until(ranks: list[Rank], done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        for rk in ranks:
+            rk.step()
+
+
+def close_all(ranks: list[Rank]) -> None:
+    for rk in ranks:
+        rk.conn.shutdown()
+
+
+def events_of(rank: Rank, kind: type[Event]) -> list[Any]:
+    return [rec.event for rec in rank.conn.core.log.records() if isinstance(rec.event, kind)]
+
+
+# --- Connector pairs in one process --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xfer_mode", ["prepped", "descs"])
+def test_connector_pair_moves_blocks(xfer_mode: str) -> None:
+    net = SimNetwork()
+    (p,) = engine(net, "P", 1, 48, 1024, fill=True, xfer_mode=xfer_mode)
+    (d,) = engine(net, "D", 1, 48, 1024, fill=False, xfer_mode=xfer_mode)
+    try:
+        remote = [3, 4, 5, 6, 40, 41, 17, 2, 9]  # runs, a jump back, singles
+        local = [10, 11, 12, 0, 1, 47, 30, 31]  # a partial prefix hit: the last 8 remote blocks
+        params = p.conn.request_finished("req-p", remote)
+        d.conn.load("req-d", local, params)
+        run_until([p, d], lambda: "req-d" in d.recving and "req-p" in p.sending)
+        assert not d.conn.last.failed
+        for k in range(2):
+            assert torch.equal(d.kv[k][local], p.kv[k][remote[1:]])
+        notes = events_of(p, NotificationReceived)
+        assert [(n.request_id, n.part, n.of, n.sender) for n in notes] == [("req-p", 0, 1, d.transport.agent_name)]
+        # A second request reuses the connection and the prepared lists.
+        params = p.conn.request_finished("req-p2", [0, 1, 2, 3])
+        d.conn.load("req-d2", [20, 21, 22, 23], params)
+        run_until([p, d], lambda: "req-d2" in d.recving and "req-p2" in p.sending)
+        assert torch.equal(d.kv[1][20:24], p.kv[1][0:4])
+    finally:
+        close_all([p, d])
+
+
+def test_producer_tp2_consumer_tp1() -> None:
+    # D rank 0 reads whole blocks from P ranks 0 and 1, each into its half of the local block.
+    net = SimNetwork()
+    ps = engine(net, "P", 2, 16, 512, fill=True)
+    (d,) = engine(net, "D", 1, 16, 1024, fill=False)
+    try:
+        params = ps[0].conn.request_finished("r", [1, 2, 7])
+        ps[1].conn.request_finished("r", [1, 2, 7])
+        d.conn.load("rd", [4, 5, 6], params)
+        run_until([*ps, d], lambda: "rd" in d.recving and all("r" in p.sending for p in ps))
+        for k in range(2):
+            assert torch.equal(d.kv[k][[4, 5, 6], :512], ps[0].kv[k][[1, 2, 7]])
+            assert torch.equal(d.kv[k][[4, 5, 6], 512:], ps[1].kv[k][[1, 2, 7]])
+    finally:
+        close_all([*ps, d])
+
+
+def test_producer_tp1_consumer_tp2() -> None:
+    # Each D rank reads its half of every P block; P waits for both parts.
+    net = SimNetwork()
+    (p,) = engine(net, "P", 1, 16, 1024, fill=True)
+    ds = engine(net, "D", 2, 16, 512, fill=False)
+    try:
+        params = p.conn.request_finished("r", [3, 8, 9])
+        ds[0].conn.load("rd", [0, 1, 2], params)
+        run_until([p, *ds], lambda: "rd" in ds[0].recving)
+        assert "r" not in p.sending  # one part of two
+        ds[1].conn.load("rd", [5, 6, 7], params)
+        run_until([p, *ds], lambda: "rd" in ds[1].recving and "r" in p.sending)
+        for k in range(2):
+            assert torch.equal(ds[0].kv[k][[0, 1, 2]], p.kv[k][[3, 8, 9], :512])
+            assert torch.equal(ds[1].kv[k][[5, 6, 7]], p.kv[k][[3, 8, 9], 512:])
+        parts = sorted(n.part for n in events_of(p, NotificationReceived))
+        assert parts == [0, 1]
+    finally:
+        close_all([p, *ds])
+
+
+def test_mla_reads_one_rank_and_notifies_the_other() -> None:
+    net = SimNetwork()
+    ps = engine(net, "P", 2, 16, 256, fill=True, mla=True)
+    (d,) = engine(net, "D", 1, 16, 256, fill=False, mla=True)
+    try:
+        params = ps[0].conn.request_finished("r", [5, 6])
+        ps[1].conn.request_finished("r", [5, 6])
+        d.conn.load("rd", [0, 1], params)
+        run_until([*ps, d], lambda: "rd" in d.recving and all("r" in p.sending for p in ps))
+        for k in range(2):
+            assert torch.equal(d.kv[k][[0, 1]], ps[0].kv[k][[5, 6]])
+        # P1 was not read, but told with P's request id (vLLM PR 36958).
+        assert [n.request_id for n in events_of(ps[1], NotificationReceived)] == ["r"]
+    finally:
+        close_all([*ps, d])
+
+
+def test_read_setup_failure_is_reported_not_raised() -> None:
+    net = SimNetwork()
+    (p,) = engine(net, "P", 1, 8, 256, fill=True)
+    (d,) = engine(net, "D", 1, 8, 256, fill=False)
+    try:
+        params = p.conn.request_finished("r", [1, 99])  # block 99 does not exist on P
+        d.conn.load("rd", [0, 1], params)
+        run_until([d], lambda: "rd" in d.recving)
+        (failed,) = d.conn.last.failed
+        assert failed.invalid_blocks == (0, 1)
+        (ev,) = events_of(d, HandleFailed)
+        assert ev.why is HandleFailure.SETUP and "99" in ev.detail
+    finally:
+        close_all([p, d])
+
+
+# --- the transport's rules, driven directly ------------------------------------------------------
+
+
+class Pair:
+    """A producer and a consumer transport, the consumer connected to the producer."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.p_kv = random_kv(2, 16, 256, seed=3)
+        self.d_kv = zero_kv(2, 16, 256)
+        self.p = NixlTransport(name("p"), self.p_kv)
+        self.d = NixlTransport(name("d"), self.d_kv, **kw)
+        self.p_events: list[Event] = []
+        self.d_events: list[Event] = []
+        self.p.bind(self.p_events.append, time.monotonic_ns)
+        self.d.bind(self.d_events.append, time.monotonic_ns)
+        self.reply = HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(self.p.rank_info(),))
+        self.d.add_peer(("P", 0), self.reply)
+
+    def read(self, rid: str, local: tuple[int, ...] = (0, 1), remote: tuple[int, ...] = (4, 5)) -> PostRead:
+        cmd = PostRead(rid, "P", ReadSource(0, 0), local, remote, Notification(f"p-{rid}", 0, 1))
+        self.d.post_read(cmd)
+        return cmd
+
+    def outcomes(self) -> list[Event]:
+        return [e for e in self.d_events if isinstance(e, (HandleDone, HandleFailed))]
+
+    def pump(self, until: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < deadline, "timed out"
+            self.d.progress()
+            self.p.progress()
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    pr = Pair()
+    yield pr
+    pr.close()
+
+
+def stuck(agent: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Make every poll of ``agent`` say PROC until the returned function is called."""
+    real = agent.check_xfer_state
+    monkeypatch.setattr(agent, "transfer", lambda h, *a: (agent.__class__.transfer(agent, h, *a), "PROC")[1])
+    monkeypatch.setattr(agent, "check_xfer_state", lambda h: "PROC")
+
+    def unstick() -> None:
+        monkeypatch.setattr(agent, "check_xfer_state", real)
+
+    return unstick
+
+
+def test_rank_metadata_is_typed_msgpack(pair: Pair) -> None:
+    info = pair.p.rank_info()
+    meta = decode_rank_metadata(info.metadata)
+    assert isinstance(meta, NixlRankMetadata) and meta.agent_metadata
+    assert [(r.stride, r.num_blocks, r.kind) for r in meta.regions] == [(256, 16, "DRAM")] * 2
+    assert meta.regions[0].base == pair.p_kv[0].data_ptr()
+    assert b"pickle" not in info.metadata and not info.metadata.startswith(b"\x80")  # not a pickle stream
+    with pytest.raises(TransportError, match="bad rank metadata"):
+        decode_rank_metadata(b"\x80\x04garbage")
+    with pytest.raises(TransportError, match="exceeds the cap"):
+        decode_rank_metadata(b"\x00" * (2 << 20))
+    bad = msgspec.msgpack.encode(NixlRankMetadata(b"x", (RegionInfo(0, 256, 16, 0, "DRAM"),)))
+    with pytest.raises(TransportError, match="malformed"):
+        decode_rank_metadata(bad)
+    none = msgspec.msgpack.encode(NixlRankMetadata(b"x", ()))
+    with pytest.raises(TransportError, match="no KV region"):
+        decode_rank_metadata(none)
+
+
+def test_add_peer_refuses_bad_replies(pair: Pair) -> None:
+    info = pair.p.rank_info()
+    other = NixlTransport(name("o"), zero_kv(1, 4, 64))
+    try:
+        with pytest.raises(TransportError, match="no rank at pp_rank"):
+            other.add_peer(("P", 1), pair.reply)
+        wrong = RankInfo(pp_rank=0, tp_rank=0, agent="someone-else", metadata=info.metadata)
+        with pytest.raises(TransportError, match="names agent"):
+            other.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(wrong,)))
+        assert not other.peers
+        garbage = RankInfo(pp_rank=0, tp_rank=0, agent="x", metadata=b"\x93\x01\x02")
+        with pytest.raises(TransportError):
+            other.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(garbage,)))
+        other.add_peer(("P", 0), pair.reply)  # the failed attempts left nothing behind
+    finally:
+        other.close()
+
+
+def test_read_and_notification(pair: Pair) -> None:
+    pair.read("a", (0, 1, 2), (7, 8, 9))
+    pair.pump(lambda: bool(pair.outcomes()) and bool(pair.p_events))
+    assert pair.outcomes() == [HandleDone(source="transfer", t_ns=pair.outcomes()[0].t_ns, request_id="a",
+                                          pp_rank=0, tp_rank=0)]
+    for k in range(2):
+        assert torch.equal(pair.d_kv[k][0:3], pair.p_kv[k][7:10])
+    (note,) = pair.p_events
+    assert isinstance(note, NotificationReceived) and note.request_id == "p-a"
+    assert not pair.d.reads
+    with pytest.raises(TransportError, match="outside"):
+        pair.read("b", (0,), (16,))
+    with pytest.raises(TransportError, match="no peer"):
+        pair.d.post_read(PostRead("c", "Q", ReadSource(0, 0), (0,), (0,), Notification("x", 0, 1)))
+
+
+def test_send_heartbeat_and_bad_bytes(pair: Pair) -> None:
+    pair.d.send(("P", 0), 0, HeartbeatMessage("p-r", 5_000_000_000))
+    pair.d.agent.send_notif(pair.p.agent_name, b"\xc1 not msgpack")
+    pair.pump(lambda: len(pair.p_events) >= 2)
+    beat, bad = pair.p_events
+    assert isinstance(beat, Heartbeat) and beat.extend_ns == 5_000_000_000 and beat.sender == pair.d.agent_name
+    assert isinstance(bad, BadMessage) and bad.sender == pair.d.agent_name
+    with pytest.raises(TransportError, match="no peer"):
+        pair.d.send(("P", 0), 1, HeartbeatMessage("p-r", 1))
+
+
+def test_zero_blocks_is_a_notification(pair: Pair) -> None:
+    pair.read("z", (), ())
+    pair.pump(lambda: bool(pair.outcomes()) and bool(pair.p_events))
+    assert isinstance(pair.outcomes()[0], HandleDone)
+    assert isinstance(pair.p_events[0], NotificationReceived)
+
+
+def test_a_raising_poll_fails_the_handle(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM PR 28120: an exception from polling fails the handle; it never escapes."""
+    stuck(pair.d.agent, monkeypatch)
+
+    def boom(handle: Any) -> str:
+        raise RuntimeError("poll exploded")
+
+    pair.read("r")
+    monkeypatch.setattr(pair.d.agent, "check_xfer_state", boom)
+    pair.d.progress()  # does not raise
+    (ev,) = pair.outcomes()
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.RAISED and "poll exploded" in ev.detail
+    assert not pair.d.reads
+
+
+def test_err_state_fails_the_handle(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    stuck(pair.d.agent, monkeypatch)
+    pair.read("r")
+    monkeypatch.setattr(pair.d.agent, "check_xfer_state", lambda h: "ERR")
+    pair.d.progress()
+    (ev,) = pair.outcomes()
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.ERR
+
+
+def test_drop_peer_waits_for_reads_in_flight(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM PR 54689: a peer is never torn down under a READ."""
+    removed: list[str] = []
+    real_remove = pair.d.agent.remove_remote_agent
+
+    def spy(agent_name: str) -> None:
+        removed.append(agent_name)
+        real_remove(agent_name)
+
+    monkeypatch.setattr(pair.d.agent, "remove_remote_agent", spy)
+    unstick = stuck(pair.d.agent, monkeypatch)
+    pair.read("r")
+    pair.d.drop_peer(("P", 0))
+    pair.d.progress()
+    assert removed == [] and pair.d.reads  # draining: the read is alive
+    with pytest.raises(TransportError, match="no peer"):
+        pair.read("s")  # but nothing new may start
+    with pytest.raises(TransportError, match="draining"):
+        pair.d.add_peer(("P", 0), pair.reply)  # nor may it come back while draining
+    unstick()
+    pair.pump(lambda: bool(pair.outcomes()))
+    assert isinstance(pair.outcomes()[0], HandleDone)
+    assert removed == [pair.p.agent_name]
+    pair.d.add_peer(("P", 0), pair.reply)  # drained: it may be added again
+    pair.read("t")
+    pair.pump(lambda: len(pair.outcomes()) == 2)
+    assert isinstance(pair.outcomes()[1], HandleDone)
+
+
+def test_cancel_waits_until_the_transfer_ended(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    unstick = stuck(pair.d.agent, monkeypatch)
+    pair.read("r")
+    pair.d.cancel_read("r", 0, 0)
+    for _ in range(20):
+        pair.d.progress()
+    assert pair.outcomes() == []  # NIXL still says PROC: not surely stopped, not reported
+    unstick()
+    pair.pump(lambda: bool(pair.outcomes()))
+    # It completed after all: the bytes are in place and the producer was notified.
+    assert isinstance(pair.outcomes()[0], HandleDone)
+    # One that ends in error after a cancel is reported CANCELLED.
+    stuck(pair.d.agent, monkeypatch)
+    pair.read("s")
+    pair.d.cancel_read("s", 0, 0)
+    pair.d.cancel_read("s", 0, 0)  # twice is harmless
+    monkeypatch.setattr(pair.d.agent, "check_xfer_state", lambda h: "ERR")
+    pair.d.progress()
+    ev = pair.outcomes()[1]
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
+    pair.d.cancel_read("s", 0, 0)  # after the end: nothing
+    pair.d.cancel_read("unknown", 0, 0)
+    assert len(pair.outcomes()) == 2
+
+
+def test_cancel_release_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    pr = Pair(cancel_policy="release")
+    try:
+        stuck(pr.d.agent, monkeypatch)
+        pr.read("r")
+        pr.d.cancel_read("r", 0, 0)
+        (ev,) = pr.outcomes()  # NIXL accepted the release: reported at once
+        assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
+        assert not pr.d.reads
+
+        def refuse(handle: Any) -> None:
+            raise RuntimeError("cannot cancel")
+
+        pr.read("s")
+        monkeypatch.setattr(pr.d.agent, "release_xfer_handle", refuse)
+        pr.d.cancel_read("s", 0, 0)
+        assert len(pr.outcomes()) == 1 and pr.d.reads  # NIXL refused: still polled
+        monkeypatch.setattr(pr.d.agent, "check_xfer_state", lambda h: "DONE")
+        pr.d.progress()
+        assert isinstance(pr.outcomes()[1], HandleDone)
+    finally:
+        monkeypatch.undo()
+        pr.close()
+
+
+def test_calls_from_another_thread_are_refused(pair: Pair) -> None:
+    """SGLang PR 28897: NIXL agent calls from two threads; here they cannot happen."""
+    errors: list[BaseException] = []
+    infos: list[RankInfo] = []
+
+    def other() -> None:
+        infos.append(pair.d.rank_info())  # no NIXL call: allowed
+        for call in (pair.d.progress, lambda: pair.read("x"), lambda: pair.d.drop_peer(("P", 0))):
+            try:
+                call()
+            except TransportError as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 3 and all("not thread-safe" in str(e) for e in errors)
+    assert infos and infos[0].agent == pair.d.agent_name
+    assert pair.d.peers  # nothing happened
+
+
+def test_close_reports_reads_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    pr = Pair()
+    stuck(pr.d.agent, monkeypatch)
+    pr.read("r")
+    pr.d.close()
+    (ev,) = pr.outcomes()
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
+    pr.d.progress()  # a no-op once closed
+    with pytest.raises(TransportError, match="closed"):
+        pr.read("s")
+    pr.d.close()
+    monkeypatch.undo()
+    pr.p.close()
+
+
+def test_progress_thread_does_not_spin() -> None:
+    """NIXL's own default progress thread spins on a core; ours sleeps 100 us between rounds."""
+    import resource
+
+    t = NixlTransport(name("idle"), zero_kv(1, 4, 64))
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(0.5)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        assert cpu < 0.25, f"{cpu:.2f} s of CPU in 0.5 s idle"
+    finally:
+        t.close()
+
+
+def test_capabilities_and_bad_tensors() -> None:
+    t = NixlTransport(name("c"), zero_kv(1, 4, 64), supports_pp=False)
+    try:
+        assert t.capabilities.name == "nixl" and not t.capabilities.supports_pp
+        assert t.capabilities.memory_kinds == frozenset({"DRAM"})
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match="contiguous"):
+        NixlTransport(name("c"), [torch.zeros(8, 4, dtype=torch.uint8).t()])
+    with pytest.raises(ValueError, match="num_blocks"):
+        NixlTransport(name("c"), [torch.zeros(4, 8), torch.zeros(5, 8)])
+    with pytest.raises(ValueError, match="at least one"):
+        NixlTransport(name("c"), [])
+
+
+# --- a producer in another OS process --------------------------------------------------------------
+
+
+class Peer:
+    """tests/nixl_peer.py in a subprocess; lines over pipes, nothing pickled."""
+
+    def __init__(self, blocks: int, block_bytes: int, regions: int = 2, seed: int = 1) -> None:
+        self.agent = name("peer")
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "nixl_peer.py"), "--agent", self.agent, "--blocks", str(blocks),
+             "--block-bytes", str(block_bytes), "--regions", str(regions), "--seed", str(seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        line = self.wait_for("RANK ", timeout=60)
+        self.info = msgspec.msgpack.decode(bytes.fromhex(line.split()[1]), type=RankInfo)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cv:
+                self.lines.append(line.strip())
+                self._cv.notify_all()
+
+    def wait_for(self, prefix: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for line in self.lines:
+                    if line.startswith(prefix):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise AssertionError(f"no {prefix!r} from the peer; got {self.lines[-5:]}")
+                self._cv.wait(left)
+
+    def has(self, prefix: str) -> bool:
+        with self._cv:
+            return any(line.startswith(prefix) for line in self.lines)
+
+    def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"HOLD {rid} {','.join(map(str, blocks))}\n")
+        self.proc.stdin.flush()
+        self.wait_for(f"HELD {rid}")
+        return KVTransferParams(remote_engine_id="P", remote_request_id=rid, remote_host="peer", remote_port=1,
+                                remote_block_ids=tuple(blocks))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write("QUIT\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def consumer_of(peer: Peer, blocks: int, block_bytes: int, regions: int = 2, **kw: Any) -> Rank:
+    net = SimNetwork()
+    net.serve("peer", 1, lambda pp: HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(peer.info,)))
+    return Rank("D", net, 0, 1, zero_kv(regions, blocks, block_bytes), **kw)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    pr = Peer(64, 4096)
+    yield pr
+    pr.stop()
+
+
+def expected_regions(seed: int, regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
+    """What tests/nixl_peer.py's fill_pattern wrote (same generator, same seeds)."""
+    out = []
+    for k in range(regions):
+        gen = torch.Generator().manual_seed(seed + k)
+        out.append(torch.randint(0, 256, (blocks * block_bytes,), dtype=torch.uint8, generator=gen)
+                   .view(blocks, block_bytes))
+    return out
+
+
+def test_two_processes_bytes_verified(peer: Peer) -> None:
+    d = consumer_of(peer, 64, 4096)
+    try:
+        remote = [*range(10, 40), 3, 2, 1, 63]
+        local = [*range(30), 50, 51, 52, 60]
+        params = peer.hold("two-1", remote)
+        assert not peer.has("RELEASED two-1")
+        d.conn.load("rd", local, params)
+        run_until([d], lambda: "rd" in d.recving)
+        assert not d.conn.last.failed
+        expected = expected_regions(1, 2, 64, 4096)
+        for k in range(2):
+            assert torch.equal(d.kv[k][local], expected[k][remote])
+        # The notification rode on the READ: the producer released only now.
+        assert peer.wait_for(f"NOTE {d.transport.agent_name} two-1").split()[3:] == ["0", "1"]
+        peer.wait_for("RELEASED two-1")
+    finally:
+        d.conn.shutdown()
+
+
+def test_two_processes_cancel_against_a_stopped_peer(peer: Peer) -> None:
+    """A stopped producer leaves the READ in PROC: under the "wait" rule the aborted request
+    keeps its blocks until the READ ended; under "release" NIXL cancels it at once."""
+    wait = consumer_of(peer, 64, 4096)
+    release = consumer_of(peer, 64, 4096, cancel_policy="release")
+    try:
+        p1, p2 = peer.hold("two-2", [1, 2, 3]), peer.hold("two-3", [4, 5, 6])
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            wait.conn.load("w", [0, 1, 2], p1)
+            release.conn.load("r", [0, 1, 2], p2)
+            run_until([wait, release], lambda: bool(wait.transport.reads) and bool(release.transport.reads))
+            wait.conn.abort("w")
+            release.conn.abort("r")
+            run_until([release], lambda: "r" in release.recving)
+            assert release.conn.last.aborted == frozenset({"r"})
+            (ev,) = events_of(release, HandleFailed)
+            assert ev.why is HandleFailure.CANCELLED
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                wait.step()
+            assert "w" not in wait.recving and wait.transport.reads  # still in flight: blocks held
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        run_until([wait], lambda: "w" in wait.recving)
+        assert wait.conn.last.aborted == frozenset({"w"})
+        assert events_of(wait, HandleDone)  # it completed once the peer resumed
+    finally:
+        wait.conn.shutdown()
+        release.conn.shutdown()
+
+
+def test_two_processes_producer_killed_mid_transfer() -> None:
+    killed = Peer(256, 65536, seed=5)  # 2 x 16 MiB
+    d = consumer_of(killed, 256, 65536)
+    try:
+        params = killed.hold("k", list(range(256)))
+        os.kill(killed.proc.pid, signal.SIGSTOP)  # the READ cannot complete while it is stopped
+        d.conn.load("rd", list(range(256)), params)
+        run_until([d], lambda: bool(d.transport.reads))
+        d.step()
+        assert next(iter(d.transport.reads.values())).state == "PROC"
+        os.kill(killed.proc.pid, signal.SIGKILL)
+        run_until([d], lambda: "rd" in d.recving)
+        (failed,) = d.conn.last.failed
+        assert set(failed.invalid_blocks) == set(range(256))
+        (ev,) = events_of(d, HandleFailed)
+        assert ev.why in (HandleFailure.DISCONNECTED, HandleFailure.RAISED)
+        if ev.why is HandleFailure.DISCONNECTED:
+            assert events_of(d, PeerDisconnected)
+        assert not d.transport.reads
+    finally:
+        d.conn.shutdown()
+        killed.proc.wait(10)
+    assert killed.proc.returncode == -signal.SIGKILL

@@ -1,0 +1,304 @@
+"""The torch transport: in-process copies by worker threads that submit their own outcomes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pdfsm.commands import PostRead
+from pdfsm.connector import Connector
+from pdfsm.events import (
+    BadMessage,
+    CoreConfig,
+    Event,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeReply,
+    Heartbeat,
+    NotificationReceived,
+    RankInfo,
+)
+from pdfsm.topology import ReadSource
+from pdfsm.wire import HeartbeatMessage, Notification
+from transports.base import TransportError
+from transports.sim import SimHandshaker, SimNetwork
+from transports.torch import TorchNetwork, TorchTransport
+
+
+def random_kv(regions: int, blocks: int, block_bytes: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen) for _ in range(regions)]
+
+
+def zero_kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
+    return [torch.zeros(blocks, block_bytes, dtype=torch.uint8) for _ in range(regions)]
+
+
+class Rank:
+    def __init__(self, tnet: TorchNetwork, net: SimNetwork, engine_id: str, kv: list[torch.Tensor], *,
+                 tp_rank: int, tp_size: int, mla: bool = False, **kw: Any) -> None:
+        self.kv = kv
+        self.transport = TorchTransport(tnet, f"{engine_id}{tp_rank}", kv, tp_rank=tp_rank, **kw)
+        config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mla=mla, strict=True)
+        self.conn = Connector(config, self.transport, SimHandshaker(net), host=f"{engine_id}-host", port=1)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+
+    def step(self) -> None:
+        s, r = self.conn.get_finished()
+        self.sending |= s
+        self.recving |= r
+
+
+def engine(tnet: TorchNetwork, net: SimNetwork, engine_id: str, tp: int, *, blocks: int, block_bytes: int,
+           fill: bool, mla: bool = False, **kw: Any) -> list[Rank]:
+    ranks = []
+    for r in range(tp):
+        kv = random_kv(2, blocks, block_bytes, seed=10 * r + 1) if fill else zero_kv(2, blocks, block_bytes)
+        ranks.append(Rank(tnet, net, engine_id, kv, tp_rank=r, tp_size=tp, mla=mla, **kw))
+    reply = HandshakeReply(engine_id=engine_id, compat_hash="", tp_size=tp, mla=mla,
+                           ranks=tuple(rk.transport.rank_info() for rk in ranks))
+    net.serve(f"{engine_id}-host", 1, lambda pp: reply)
+    return ranks
+
+
+def run_until(ranks: list[Rank], done: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        for rk in ranks:
+            rk.step()
+        time.sleep(0.0005)
+
+
+def events_of(rank: Rank, kind: type[Event]) -> list[Any]:
+    return [rec.event for rec in rank.conn.core.log.records() if isinstance(rec.event, kind)]
+
+
+def test_connector_pair_moves_blocks() -> None:
+    tnet, net = TorchNetwork(), SimNetwork()
+    (p,) = engine(tnet, net, "P", 1, blocks=32, block_bytes=512, fill=True)
+    (d,) = engine(tnet, net, "D", 1, blocks=32, block_bytes=512, fill=False)
+    remote, local = [4, 5, 6, 7, 20, 2], [0, 1, 2, 3, 31, 9]
+    params = p.conn.request_finished("rp", remote)
+    d.conn.load("rd", local, params)
+    run_until([p, d], lambda: "rd" in d.recving and "rp" in p.sending)
+    for k in range(2):
+        assert torch.equal(d.kv[k][local], p.kv[k][remote])
+    for rk in (p, d):
+        rk.conn.shutdown()
+
+
+def test_heterogeneous_tp_both_ways() -> None:
+    tnet, net = TorchNetwork(), SimNetwork()
+    ps = engine(tnet, net, "P", 2, blocks=8, block_bytes=256, fill=True)
+    ds = engine(tnet, net, "D", 1, blocks=8, block_bytes=512, fill=False)
+    params = ps[0].conn.request_finished("r", [1, 2])
+    ps[1].conn.request_finished("r", [1, 2])
+    ds[0].conn.load("rd", [6, 7], params)
+    run_until([*ps, *ds], lambda: "rd" in ds[0].recving and all("r" in p.sending for p in ps))
+    for k in range(2):
+        assert torch.equal(ds[0].kv[k][[6, 7], :256], ps[0].kv[k][[1, 2]])
+        assert torch.equal(ds[0].kv[k][[6, 7], 256:], ps[1].kv[k][[1, 2]])
+    (q,) = engine(tnet, net, "Q", 1, blocks=8, block_bytes=512, fill=True)
+    es = engine(tnet, net, "E", 2, blocks=8, block_bytes=256, fill=False)
+    params = q.conn.request_finished("s", [3, 4])
+    for e in es:
+        e.conn.load("sd", [0, 1], params)
+    run_until([q, *es], lambda: all("sd" in e.recving for e in es) and "s" in q.sending)
+    for k in range(2):
+        assert torch.equal(es[0].kv[k][[0, 1]], q.kv[k][[3, 4], :256])
+        assert torch.equal(es[1].kv[k][[0, 1]], q.kv[k][[3, 4], 256:])
+    for rk in (*ps, *ds, q, *es):
+        rk.conn.shutdown()
+
+
+def test_many_reads_complete_on_worker_threads() -> None:
+    """Outcomes are submitted by the copier threads themselves, concurrently."""
+    tnet = TorchNetwork()
+    p = TorchTransport(tnet, "p", random_kv(2, 64, 4096, seed=5))
+    d_kv = zero_kv(2, 64, 4096)
+    d = TorchTransport(tnet, "d", d_kv, latency_s=0.02, workers=4)
+    got: list[tuple[Event, int]] = []
+    lock = threading.Lock()
+
+    def submit(ev: Event) -> None:
+        with lock:
+            got.append((ev, threading.get_ident()))
+
+    p.bind(lambda ev: None, time.monotonic_ns)
+    d.bind(submit, time.monotonic_ns)
+    d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)))
+    t0 = time.monotonic()
+    for i in range(32):
+        cmd = PostRead(f"r{i}", "P", ReadSource(0, 0), (2 * i, 2 * i + 1), (63 - i, i), Notification(f"p{i}", 0, 1))
+        d.post_read(cmd)
+    deadline = time.monotonic() + 10
+    while len(got) < 32:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    elapsed = time.monotonic() - t0
+    assert all(isinstance(ev, HandleDone) for ev, _ in got)
+    assert sorted(ev.request_id for ev, _ in got) == sorted(f"r{i}" for i in range(32))  # type: ignore[attr-defined]
+    threads = {tid for _, tid in got}
+    assert threading.get_ident() not in threads and len(threads) > 1
+    assert elapsed < 32 * 0.02  # 4 workers overlap their latencies
+    for i in range(32):
+        for k in range(2):
+            assert torch.equal(d_kv[k][2 * i], p.tensors[k][63 - i])
+            assert torch.equal(d_kv[k][2 * i + 1], p.tensors[k][i])
+    assert len(p.inbox) == 32  # every notification waits for the producer's own progress()
+    d.close()
+    p.close()
+
+
+class Pair:
+    def __init__(self, **kw: Any) -> None:
+        self.net = TorchNetwork()
+        self.p = TorchTransport(self.net, "p", random_kv(1, 16, 1 << 20, seed=2))
+        self.d_kv = zero_kv(1, 16, 1 << 20)
+        self.d = TorchTransport(self.net, "d", self.d_kv, **kw)
+        self.p_events: list[Event] = []
+        self.d_events: list[Event] = []
+        self.p.bind(self.p_events.append, time.monotonic_ns)
+        self.d.bind(self.d_events.append, time.monotonic_ns)
+        self.d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(self.p.rank_info(),)))
+
+    def read(self, rid: str, n: int = 4) -> None:
+        blocks = tuple(range(n))
+        self.d.post_read(PostRead(rid, "P", ReadSource(0, 0), blocks, blocks, Notification(rid, 0, 1)))
+
+    def wait(self, count: int = 1, timeout: float = 10.0) -> list[Event]:
+        deadline = time.monotonic() + timeout
+        while len(self.d_events) < count:
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.001)
+        return self.d_events
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+@pytest.fixture
+def slow() -> Iterator[Pair]:
+    pr = Pair(latency_s=0.2)
+    yield pr
+    pr.close()
+
+
+def test_latency_is_applied(slow: Pair) -> None:
+    t0 = time.monotonic()
+    slow.read("r")
+    (ev,) = slow.wait()
+    assert isinstance(ev, HandleDone) and time.monotonic() - t0 >= 0.2
+    assert torch.equal(slow.d_kv[0][:4], slow.p.tensors[0][:4])
+    slow.p.progress()
+    (note,) = slow.p_events
+    assert isinstance(note, NotificationReceived) and note.sender == "d"
+
+
+def test_cancel_before_the_copy(slow: Pair) -> None:
+    t0 = time.monotonic()
+    slow.read("r")
+    slow.d.cancel_read("r", 0, 0)
+    (ev,) = slow.wait()
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
+    assert time.monotonic() - t0 < 0.15  # the cancel woke the waiting worker
+    assert not slow.d_kv[0].any()  # nothing was copied
+    slow.p.progress()
+    assert slow.p_events == []  # and the producer was not told it was read
+    slow.d.cancel_read("r", 0, 0)  # after the end: nothing
+    assert len(slow.d_events) == 1
+
+
+def test_cancel_during_the_copy_stops_between_chunks() -> None:
+    pr = Pair(chunk_bytes=4096)
+    started = threading.Event()
+    real = pr.net.reachable
+
+    def slow_reachable(name: str) -> TorchTransport | None:
+        started.set()
+        time.sleep(0.0002)
+        return real(name)
+
+    pr.net.reachable = slow_reachable  # type: ignore[method-assign]
+    try:
+        pr.read("r", n=16)  # 16 MiB in 4 KiB chunks: seconds at this pace
+        assert started.wait(5)
+        pr.d.cancel_read("r", 0, 0)
+        (ev,) = pr.wait()
+        assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
+        assert "copy stopped" in ev.detail
+        assert not pr.d.reads
+    finally:
+        pr.close()
+
+
+def test_abort_through_the_connector() -> None:
+    tnet, net = TorchNetwork(), SimNetwork()
+    (p,) = engine(tnet, net, "P", 1, blocks=8, block_bytes=256, fill=True)
+    (d,) = engine(tnet, net, "D", 1, blocks=8, block_bytes=256, fill=False, latency_s=5.0)
+    params = p.conn.request_finished("rp", [1, 2])
+    d.conn.load("rd", [1, 2], params)
+    run_until([d], lambda: bool(d.transport.reads))
+    d.conn.abort("rd")
+    run_until([d], lambda: "rd" in d.recving, timeout=2.0)
+    assert d.conn.last.aborted == frozenset({"rd"})
+    (ev,) = events_of(d, HandleFailed)
+    assert ev.why is HandleFailure.CANCELLED
+    for rk in (p, d):
+        rk.conn.shutdown()
+
+
+def test_killed_peer(slow: Pair) -> None:
+    slow.read("r")
+    slow.net.kill("p")
+    (ev,) = slow.wait()
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.DISCONNECTED
+    with pytest.raises(TransportError, match="unreachable"):
+        slow.d.send(("P", 0), 0, HeartbeatMessage("r", 1))
+    with pytest.raises(TransportError, match="unreachable"):
+        slow.read("s")
+    slow.net.revive("p")
+    slow.read("t")
+    assert isinstance(slow.wait(2)[1], HandleDone)
+
+
+def test_send_and_bad_bytes(slow: Pair) -> None:
+    slow.d.send(("P", 0), 0, HeartbeatMessage("r", 7))
+    slow.net.deliver("d", "p", b"\xc1")
+    slow.p.progress()
+    beat, bad = slow.p_events
+    assert isinstance(beat, Heartbeat) and beat.extend_ns == 7
+    assert isinstance(bad, BadMessage) and bad.sender == "d"
+
+
+def test_setup_failures_raise(slow: Pair) -> None:
+    with pytest.raises(TransportError, match="no peer"):
+        slow.d.post_read(PostRead("x", "Q", ReadSource(0, 0), (0,), (0,), Notification("x", 0, 1)))
+    with pytest.raises(TransportError, match="outside"):
+        slow.d.post_read(PostRead("x", "P", ReadSource(0, 0), (0,), (16,), Notification("x", 0, 1)))
+    slow.read("r")
+    with pytest.raises(TransportError, match="already in flight"):
+        slow.read("r")
+    with pytest.raises(TransportError, match="unreachable"):
+        nobody = RankInfo(pp_rank=0, tp_rank=0, agent="nobody")
+        slow.d.add_peer(("Q", 0), HandshakeReply(engine_id="Q", compat_hash="", tp_size=1, ranks=(nobody,)))
+
+
+def test_close_reports_what_was_in_flight() -> None:
+    pr = Pair(latency_s=10.0)
+    pr.read("r")
+    pr.d.close()
+    (ev,) = pr.d_events
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
+    with pytest.raises(TransportError, match="closed"):
+        pr.read("s")
+    pr.p.close()

@@ -1,0 +1,665 @@
+"""The NIXL transport: KV blocks move by NIXL READs (UCX backend), notifications ride on them.
+
+One :class:`NixlTransport` is one worker's NIXL agent. It registers the worker's KV
+cache, a list of tensors each shaped ``[num_blocks, ...]`` (block ``b`` of region
+``k`` is ``kv_caches[k][b]``, contiguous), and publishes, in its
+:class:`~pdfsm.events.RankInfo`, a *typed* metadata blob: msgspec MessagePack of
+NIXL's agent metadata bytes and, per region, base address, block stride, block
+count, device id and memory kind. NIXL's own descriptor-list serialisation
+pickles; nothing here does, and nothing received is ever unpickled.
+
+Reads. :meth:`post_read` turns a :class:`~pdfsm.commands.PostRead` into one NIXL
+READ from the remote rank, honouring the TP slices of :class:`~pdfsm.topology.ReadSource`
+(only one slice of each block moves when TP sizes differ), and passes the encoded
+:class:`~pdfsm.wire.Notification` as the READ's ``notif_msg``: NIXL delivers it to
+the producer only once the READ completed (NIXL PR 252), so the producer never
+releases blocks that are still being read. Two ways to describe a read
+(``xfer_mode``):
+
+- ``"prepped"`` (default): per peer rank and slice geometry, every block of every
+  region is prepared once (``prep_xfer_dlist``), and a read is
+  ``make_prepped_xfer`` with region-major block indices; NIXL merges indices that
+  are adjacent on both sides into one descriptor, the same runs
+  :mod:`transports.coalesce` finds (checked: NIXL's telemetry counts one
+  descriptor for a contiguous table of one region).
+- ``"descs"``: the block table is coalesced in Python
+  (:func:`transports.coalesce.read_descs`) and posted with
+  ``get_xfer_descs`` + ``initialize_xfer``. Kept for comparison and for backends
+  that cannot prepare lists.
+
+  Setting a read up (``benchmarks/transport.py``, 16 regions of 4 KiB blocks, median):
+  prepped 40-120 us for 16 to 1024 contiguous blocks and 60-780 us shuffled; descs
+  140-500 us and 230-1850 us. Bandwidth is the same either way (both end up with the
+  same merged descriptors), so ``"prepped"`` is the default.
+
+Outcomes. :meth:`progress`, on the owner thread every step, polls each read in
+flight with ``check_xfer_state``: ``DONE`` becomes
+:class:`~pdfsm.events.HandleDone`, ``ERR`` ``HandleFailed(ERR)``, and a poll that
+*raises* becomes ``HandleFailed(RAISED)``, or ``HandleFailed(DISCONNECTED)`` plus
+one :class:`~pdfsm.events.PeerDisconnected` for the engine when NIXL says the peer
+is gone: an exception never escapes (vLLM PR 28120). It also drains
+``get_new_notifs`` and submits every message through
+:func:`pdfsm.wire.notification_event` (undecodable bytes become a ``BadMessage``
+attributed to the sender).
+
+Cancel rule (``cancel_policy``). A cancelled read is reported
+``HandleFailed(CANCELLED)`` only once no byte can still land in its local blocks:
+
+- ``"wait"`` (default): the handle stays in flight and is polled until NIXL says
+  it ended; ``DONE`` is then reported as ``HandleDone`` (the bytes are in place and
+  the producer was notified), anything else as ``CANCELLED``. NIXL's release of an
+  active handle is a best effort (its UCX backend cancels the UCX requests with a
+  TODO that this "may not be enough"; an RDMA NIC can still be writing), so this
+  policy never trusts it: correct by construction, at the price that a peer that
+  hangs without an error (SIGSTOP) keeps the request, and its blocks, until it
+  resumes or dies.
+- ``"release"``: the handle is released at once (NIXL's documented way to cancel
+  an active transfer); if NIXL accepts, the read is reported ``CANCELLED``
+  immediately; if NIXL refuses (it raises), the read is polled as under ``"wait"``.
+  This trusts NIXL's cancel to have stopped the data movement, which pdfsm cannot
+  check: use it only where that is known to hold.
+
+Drop rule. :meth:`drop_peer` forgets the engine at once (no new read or
+notification can target it), but calls ``remove_remote_agent`` only once no read
+of ours to that peer is alive; until then the peer is *draining* and removed by
+:meth:`progress` after its last read ended (vLLM PR 54689: tearing a peer down
+under a READ killed workers). Re-adding an agent that is still draining is refused
+(the handshake fails and is retried).
+
+Threading. NIXL's agent is not guaranteed thread-safe (SGLang PR 28897), so every
+NIXL call happens on the owner thread: the thread that called :meth:`bind` (or
+built the transport). Every method but :meth:`rank_info` and :meth:`bind` checks it
+and raises
+:class:`~transports.base.TransportError` from any other thread; :meth:`rank_info`
+makes no NIXL call (the metadata is built once, at construction) so a handshake
+listener thread may call it. No lock is taken. NIXL's progress thread (on by
+default) only advances UCX inside the agent; it never calls into this object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pdfsm.commands import PostRead
+from pdfsm.events import (
+    EngineKey,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeReply,
+    PeerDisconnected,
+    RankInfo,
+    Source,
+)
+from pdfsm.wire import NotifyMessage, notification_event, notify_codec
+from transports.base import Capabilities, Clock, Submit, TransportError
+from transports.coalesce import Region, SliceError, block_indices, read_descs, slice_span
+
+__all__ = [
+    "MAX_METADATA_BYTES",
+    "NixlRankMetadata",
+    "NixlTransport",
+    "RegionInfo",
+    "decode_rank_metadata",
+    "import_nixl",
+    "nixl_available",
+]
+
+_log = logging.getLogger("pdfsm.transports.nixl")
+
+MAX_METADATA_BYTES = 1 << 20
+"""Cap on one rank's metadata blob, checked before decoding."""
+
+MemKind = Literal["DRAM", "VRAM"]
+
+
+def import_nixl() -> ModuleType:
+    """NIXL's Python API module: ``nixl._api``, else ``nixl_cu12._api``, else ``nixl_cu13._api``."""
+    errors: list[str] = []
+    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("NIXL is not installed (" + "; ".join(errors) + ")")
+
+
+def nixl_available() -> bool:
+    try:
+        import_nixl()
+    except ImportError:
+        return False
+    return True
+
+
+# --- the typed metadata blob --------------------------------------------------------------------
+
+
+class RegionInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One registered KV region as the peer sees it."""
+
+    base: int
+    stride: int  # bytes per block
+    num_blocks: int
+    device: int
+    kind: MemKind
+
+
+class NixlRankMetadata(msgspec.Struct, frozen=True, tag="nixl/1", gc=False):
+    """What a rank publishes: NIXL's agent metadata (opaque bytes for ``add_remote_agent``) and
+    its KV regions as plain integers."""
+
+    agent_metadata: bytes
+    regions: tuple[RegionInfo, ...]
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(NixlRankMetadata)
+
+
+def decode_rank_metadata(raw: bytes) -> NixlRankMetadata:
+    """Decode and check one rank's blob; :class:`TransportError` names what is wrong."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise TransportError(f"rank metadata of {len(raw)} bytes exceeds the cap of {MAX_METADATA_BYTES}")
+    try:
+        meta = _meta_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise TransportError(f"bad rank metadata: {exc}") from None
+    if not meta.agent_metadata:
+        raise TransportError("rank metadata carries no NIXL agent metadata")
+    if not meta.regions:
+        raise TransportError("rank metadata lists no KV region")
+    kinds = {r.kind for r in meta.regions}
+    if len(kinds) != 1:
+        raise TransportError(f"rank metadata mixes memory kinds {sorted(kinds)}")
+    for i, r in enumerate(meta.regions):
+        if r.base <= 0 or r.stride <= 0 or r.num_blocks <= 0 or r.device < 0:
+            raise TransportError(f"region {i} is malformed: {r}")
+        if r.base + r.stride * r.num_blocks >= 1 << 64:
+            raise TransportError(f"region {i} overflows the address space: {r}")
+    return meta
+
+
+# --- internal records ---------------------------------------------------------------------------
+
+
+class _Peer:
+    """One remote rank: its agent, regions and prepared descriptor lists."""
+
+    __slots__ = ("agent", "geometries", "key", "kind", "prepped", "reads", "regions", "tp_rank")
+
+    def __init__(self, key: EngineKey, tp_rank: int, agent: str, meta: NixlRankMetadata) -> None:
+        self.key, self.tp_rank, self.agent = key, tp_rank, agent
+        self.regions = tuple(Region(r.base, r.stride, r.num_blocks, r.device) for r in meta.regions)
+        self.kind: MemKind = meta.regions[0].kind
+        self.prepped: dict[tuple[int, int], Any] = {}  # (slices, slice) -> nixl_prepped_dlist_handle
+        self.reads = 0  # reads of ours to this rank still alive
+        self.geometries: set[tuple[int, int, int, int]] = set()  # slice geometries found consistent
+
+
+class _Read:
+    __slots__ = ("cancelled", "cmd", "handle", "peer", "state")
+
+    def __init__(self, cmd: PostRead, peer: _Peer, handle: Any, state: str) -> None:
+        self.cmd, self.peer, self.handle, self.state = cmd, peer, handle, state
+        self.cancelled = False
+
+
+def _tensor_kind(t: torch.Tensor) -> MemKind:
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+# --- the transport ------------------------------------------------------------------------------
+
+
+class NixlTransport:
+    """One worker's NIXL agent, registered KV cache, peers and reads in flight."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        pp_rank: int = 0,
+        tp_rank: int = 0,
+        supports_pp: bool = True,
+        xfer_mode: Literal["prepped", "descs"] = "prepped",
+        cancel_policy: Literal["wait", "release"] = "wait",
+        progress_thread: bool = True,
+        progress_delay_us: int | None = 100,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+    ) -> None:
+        """``progress_delay_us``: how long NIXL's progress thread sleeps between rounds. NIXL's
+        Python API starts it with no delay, a thread that spins on a core; on this 2-core
+        machine that made a 1 KiB READ take 12 ms instead of 0.2 ms (the spinning threads
+        starve everything else) and cost a whole core while idle, against ~3% at 100 us.
+        ``None`` keeps NIXL's own setting."""
+        if xfer_mode not in ("prepped", "descs"):
+            raise ValueError(f"xfer_mode must be 'prepped' or 'descs', got {xfer_mode!r}")
+        if cancel_policy not in ("wait", "release"):
+            raise ValueError(f"cancel_policy must be 'wait' or 'release', got {cancel_policy!r}")
+        self._api = import_nixl()
+        self._errors = _error_types(self._api)
+        self.agent_name = agent_name
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.xfer_mode, self.cancel_policy = xfer_mode, cancel_policy
+        self.tensors = list(kv_caches)
+        self.regions, self.kind = _regions(self.tensors)
+        kinds: frozenset[str] = frozenset({"DRAM", self.kind})
+        self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds)
+        self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
+                                 delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads)
+        self._reg = self.agent.register_memory(self.tensors)
+        region_infos = tuple(RegionInfo(r.base, r.stride, r.num_blocks, r.device, self.kind) for r in self.regions)
+        self._metadata = _meta_encoder.encode(NixlRankMetadata(bytes(self.agent.get_agent_metadata()), region_infos))
+        self._local_prepped: dict[tuple[int, int], Any] = {}
+        self.peers: dict[EngineKey, dict[int, _Peer]] = {}
+        self._agents: dict[str, _Peer] = {}  # remote agent name -> its rank, live or draining
+        self._draining: list[_Peer] = []
+        self.reads: dict[tuple[str, int, int], _Read] = {}
+        self._disconnected: set[EngineKey] = set()
+        self._submit: Submit | None = None
+        self._clock: Clock = lambda: 0
+        self._owner = threading.get_ident()
+        self._closed = False
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise TransportError(
+                f"NixlTransport {self.agent_name!r} called from thread {threading.get_ident()}, owner is "
+                f"{self._owner}: NIXL's agent is not thread-safe (SGLang PR 28897)")
+        if self._closed:
+            raise TransportError(f"NixlTransport {self.agent_name!r} is closed")
+
+    def _emit(self, ev: object) -> None:
+        assert self._submit is not None, "bind() first"
+        self._submit(ev)  # type: ignore[arg-type]
+
+    def bind(self, submit: Submit, clock: Clock) -> None:
+        self._submit, self._clock = submit, clock
+        self._owner = threading.get_ident()
+
+    def rank_info(self) -> RankInfo:
+        """Thread-safe: no NIXL call (the blob was built at construction)."""
+        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=self._metadata)
+
+    # --- peers ----------------------------------------------------------------------------------
+
+    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+        """Add every rank of ``reply`` at ``key``'s pp_rank; all or nothing."""
+        self._check()
+        infos = [info for info in reply.ranks if info.pp_rank == key[1]]
+        if not infos:
+            raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
+        decoded: list[tuple[RankInfo, NixlRankMetadata]] = []
+        seen: set[int] = set()
+        for info in infos:
+            if info.tp_rank in seen:
+                raise TransportError(f"handshake reply lists tp_rank {info.tp_rank} twice")
+            seen.add(info.tp_rank)
+            if info.agent == self.agent_name:
+                raise TransportError(f"remote agent {info.agent!r} has this transport's own name")
+            old = self._agents.get(info.agent)
+            if old is not None and (old.key != key or old in self._draining):
+                why = "still draining reads" if old in self._draining else f"already serves {old.key}"
+                raise TransportError(f"remote agent {info.agent!r} {why}")
+            decoded.append((info, decode_rank_metadata(info.metadata)))
+        if key in self.peers:  # a fresh reply for a connected engine replaces it
+            self.drop_peer(key)
+            if any(p.key == key for p in self._draining):
+                raise TransportError(f"peer {key} is still draining reads: retry the handshake later")
+        added: list[str] = []
+        ranks: dict[int, _Peer] = {}
+        try:
+            for info, meta in decoded:
+                name = self.agent.add_remote_agent(meta.agent_metadata)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                added.append(name)
+                if name != info.agent:
+                    raise TransportError(f"NIXL metadata names agent {name!r}, the reply says {info.agent!r}")
+                ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta)
+        except Exception as exc:
+            for name in added:
+                self._remove_agent(name)
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(f"cannot add remote agents of {key}: {type(exc).__name__}: {exc}") from exc
+        self.peers[key] = ranks
+        for peer in ranks.values():
+            self._agents[peer.agent] = peer
+        self._disconnected.discard(key)
+
+    def drop_peer(self, key: EngineKey) -> None:
+        """Forget ``key`` now; remove its agents once none of our reads to them is alive."""
+        self._check()
+        ranks = self.peers.pop(key, None)
+        if ranks is None:
+            return
+        for peer in ranks.values():
+            if peer.reads:
+                self._draining.append(peer)
+            else:
+                self._forget(peer)
+
+    def _forget(self, peer: _Peer) -> None:
+        for handle in peer.prepped.values():
+            _release(handle, "prepared list")
+        peer.prepped.clear()
+        self._remove_agent(peer.agent)
+        if self._agents.get(peer.agent) is peer:
+            del self._agents[peer.agent]
+
+    def _remove_agent(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # noqa: BLE001 - a peer we cannot forget is logged, not fatal
+            _log.warning("remove_remote_agent(%s) failed: %s: %s", name, type(exc).__name__, exc)
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def post_read(self, cmd: PostRead) -> None:
+        """Post one READ; raises (nothing was started) if it cannot be set up."""
+        self._check()
+        src = cmd.source
+        peer = self.peers.get((cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
+        if peer is None:
+            raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
+        key = (cmd.request_id, src.pp_rank, src.tp_rank)
+        if key in self.reads:
+            raise TransportError(f"read {key} is already in flight")
+        if len(cmd.local_blocks) != len(cmd.remote_blocks):
+            raise TransportError(f"{len(cmd.local_blocks)} local blocks for {len(cmd.remote_blocks)} remote blocks")
+        if len(peer.regions) != len(self.regions):
+            raise TransportError(f"peer has {len(peer.regions)} KV regions, this rank {len(self.regions)}")
+        note = notify_codec.encode(cmd.notification)
+        if not cmd.local_blocks:  # nothing to move: the notification alone, as a completed read
+            self.agent.send_notif(peer.agent, note)
+            self.reads[key] = _Read(cmd, peer, None, "DONE")
+            peer.reads += 1
+            return
+        try:
+            if self.xfer_mode == "prepped":
+                handle = self._prepped_xfer(cmd, peer, note)
+            else:
+                handle = self._descs_xfer(cmd, peer, note)
+        except SliceError as exc:
+            raise TransportError(str(exc)) from None
+        try:
+            state = self.agent.transfer(handle)
+        except Exception:
+            _release(handle, "transfer handle")
+            raise
+        self.reads[key] = _Read(cmd, peer, handle, state)
+        peer.reads += 1
+
+    def _prepped_xfer(self, cmd: PostRead, peer: _Peer, note: bytes) -> Any:
+        src = cmd.source
+        geometry = (src.local_slices, src.local_slice, src.remote_slices, src.remote_slice)
+        if geometry not in peer.geometries:  # checked once per peer and slice geometry
+            for lreg, rreg in zip(self.regions, peer.regions, strict=True):
+                llen = slice_span(lreg.stride, src.local_slices, src.local_slice)[1]
+                rlen = slice_span(rreg.stride, src.remote_slices, src.remote_slice)[1]
+                if llen != rlen:
+                    raise SliceError(f"slice sizes differ: local {llen} bytes, remote {rlen} bytes")
+            peer.geometries.add(geometry)
+        local = self._local_list(src.local_slices, src.local_slice)
+        remote = self._remote_list(peer, src.remote_slices, src.remote_slice)
+        # Region-major indices; every region of a rank has the same block count.
+        li = block_indices(cmd.local_blocks, self.regions[0].num_blocks, len(self.regions))
+        ri = block_indices(cmd.remote_blocks, peer.regions[0].num_blocks, len(peer.regions))
+        return self.agent.make_prepped_xfer("READ", local, li, remote, ri, note)
+
+    def _local_list(self, slices: int, index: int) -> Any:
+        handle = self._local_prepped.get((slices, index))
+        if handle is None:
+            handle = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _all_blocks(self.regions, slices, index),
+                                                self.kind)
+            self._local_prepped[(slices, index)] = handle
+        return handle
+
+    def _remote_list(self, peer: _Peer, slices: int, index: int) -> Any:
+        handle = peer.prepped.get((slices, index))
+        if handle is None:
+            handle = self.agent.prep_xfer_dlist(peer.agent, _all_blocks(peer.regions, slices, index), peer.kind)
+            peer.prepped[(slices, index)] = handle
+        return handle
+
+    def _descs_xfer(self, cmd: PostRead, peer: _Peer, note: bytes) -> Any:
+        src = cmd.source
+        dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, self.regions, peer.regions,
+                            local_slice=src.local_slice, local_slices=src.local_slices,
+                            remote_slice=src.remote_slice, remote_slices=src.remote_slices)
+        return self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(dl, self.kind),
+                                          self.agent.get_xfer_descs(dr, peer.kind), peer.agent, note)
+
+    def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
+        """Ask a read to stop; see the module's cancel rule for when it is reported."""
+        self._check()
+        read = self.reads.get((request_id, pp_rank, tp_rank))
+        if read is None or read.cancelled:
+            return
+        read.cancelled = True
+        if self.cancel_policy != "release" or read.state != "PROC" or read.handle is None:
+            return
+        try:
+            read.state = self.agent.check_xfer_state(read.handle)
+        except Exception:  # noqa: BLE001 - progress() polls again and reports it
+            return
+        if read.state != "PROC":
+            return
+        try:
+            self.agent.release_xfer_handle(read.handle)
+        except Exception as exc:  # noqa: BLE001 - NIXL could not stop it: keep polling until it ends
+            _log.info("read %s could not be cancelled (%s); polling until it ends", request_id, exc)
+            return
+        read.handle = None
+        self._end(read, HandleFailure.CANCELLED, "released while in flight")
+
+    def progress(self) -> None:
+        """Poll every read in flight, then deliver notifications, then finish draining peers.
+        A no-op once closed (the Connector steps once more after closing its transport)."""
+        if self._closed:
+            return
+        self._check()
+        now = self._clock()
+        for read in list(self.reads.values()):
+            if read.state == "PROC":
+                try:
+                    read.state = self.agent.check_xfer_state(read.handle)
+                except Exception as exc:  # noqa: BLE001 - a raising poll fails the handle (vLLM PR 28120)
+                    self._poll_raised(read, exc)
+                    continue
+            if read.state == "DONE":
+                self._release_read(read)
+                src = read.cmd.source
+                self._forget_read(read)
+                self._emit(HandleDone(source=Source.TRANSFER, t_ns=now, request_id=read.cmd.request_id,
+                                      pp_rank=src.pp_rank, tp_rank=src.tp_rank))
+            elif read.state != "PROC":
+                self._release_read(read)
+                self._end(read, HandleFailure.ERR, f"transfer state {read.state}")
+        self._drain_notifications(now)
+        if self._draining:
+            for peer in [p for p in self._draining if not p.reads]:
+                self._draining.remove(peer)
+                self._forget(peer)
+
+    def _poll_raised(self, read: _Read, exc: Exception) -> None:
+        detail = f"{type(exc).__name__}: {exc}"
+        # NIXL 1.5.1 keeps the handle after a raising poll (NOT_FOUND included: checked), and an
+        # unreleased one leaks UCX requests, so it is released; a release that raises is logged.
+        self._release_read(read)
+        if isinstance(exc, self._errors["disconnect"]):
+            key = read.peer.key
+            self._end(read, HandleFailure.DISCONNECTED, detail)
+            if key not in self._disconnected:
+                self._disconnected.add(key)
+                self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=key[0],
+                                            pp_rank=key[1], detail=f"{read.peer.agent}: {detail}"))
+        else:
+            self._end(read, HandleFailure.RAISED, detail)
+
+    def _release_read(self, read: _Read) -> None:
+        if read.handle is not None:
+            _release(read.handle, "transfer handle")
+            read.handle = None
+
+    def _forget_read(self, read: _Read) -> None:
+        src = read.cmd.source
+        del self.reads[(read.cmd.request_id, src.pp_rank, src.tp_rank)]
+        read.peer.reads -= 1
+
+    def _end(self, read: _Read, why: HandleFailure, detail: str) -> None:
+        """Report a read that stopped without completing (a cancelled one as CANCELLED)."""
+        if read.cancelled and why is not HandleFailure.CANCELLED:
+            why, detail = HandleFailure.CANCELLED, f"cancelled; the transfer ended: {detail}"
+        self._forget_read(read)
+        src = read.cmd.source
+        self._emit(HandleFailed(source=Source.TRANSFER, t_ns=self._clock(), request_id=read.cmd.request_id,
+                                pp_rank=src.pp_rank, tp_rank=src.tp_rank, why=why, detail=detail))
+
+    def _drain_notifications(self, now: int) -> None:
+        try:
+            notifs = self.agent.get_new_notifs()
+        except Exception as exc:  # noqa: BLE001 - logged; the next step polls again
+            _log.warning("get_new_notifs failed: %s: %s", type(exc).__name__, exc)
+            return
+        for sender, messages in notifs.items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            for raw in messages:
+                self._emit(notification_event(bytes(raw), sender=name, source=Source.NOTIFY, t_ns=now))
+
+    # --- notifications --------------------------------------------------------------------------
+
+    def send(self, key: EngineKey, tp_rank: int, message: NotifyMessage) -> None:
+        """A plain notification or heartbeat to rank (key, tp_rank); raises if it cannot go."""
+        self._check()
+        peer = self.peers.get(key, {}).get(tp_rank)
+        if peer is None:
+            raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
+        self.agent.send_notif(peer.agent, notify_codec.encode(message))
+
+    # --- shutdown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel what is in flight (NIXL's release), report it CANCELLED, forget every peer,
+        deregister the memory. Idempotent."""
+        if self._closed:
+            return
+        self._check()
+        for read in list(self.reads.values()):
+            self._release_read(read)
+            self._end(read, HandleFailure.CANCELLED, "transport closed")
+        for key in list(self.peers):
+            self.drop_peer(key)
+        for peer in self._draining:
+            self._forget(peer)
+        self._draining.clear()
+        for handle in self._local_prepped.values():
+            _release(handle, "prepared list")
+        self._local_prepped.clear()
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception as exc:  # noqa: BLE001
+            _log.warning("deregister_memory failed: %s: %s", type(exc).__name__, exc)
+        self._closed = True
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _regions(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Region, ...], MemKind]:
+    if not tensors:
+        raise ValueError("kv_caches: at least one tensor is needed")
+    kinds = {_tensor_kind(t) for t in tensors}
+    if len(kinds) != 1:
+        raise ValueError(f"kv_caches mixes memory kinds {sorted(kinds)}")
+    nums = {int(t.shape[0]) if t.dim() else 0 for t in tensors}
+    if len(nums) != 1 or 0 in nums:
+        raise ValueError(f"kv_caches: every tensor must be [num_blocks, ...] with one num_blocks, got {sorted(nums)}")
+    regions: list[Region] = []
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(f"kv_caches[{i}] is not contiguous")
+        num = int(t.shape[0])
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or nbytes % num:
+            raise ValueError(f"kv_caches[{i}]: {nbytes} bytes do not split into {num} blocks")
+        regions.append(Region(t.data_ptr(), nbytes // num, num, max(t.get_device(), 0)))
+    return tuple(regions), kinds.pop()
+
+
+def _all_blocks(regions: Sequence[Region], slices: int, index: int) -> npt.NDArray[np.uint64]:
+    """Every block's slice of every region, region-major: the list a prepared handle indexes."""
+    parts = []
+    for reg in regions:
+        off, length = slice_span(reg.stride, slices, index)
+        part = np.empty((reg.num_blocks, 3), dtype=np.uint64)
+        part[:, 0] = np.arange(reg.num_blocks, dtype=np.uint64) * np.uint64(reg.stride) + np.uint64(reg.base + off)
+        part[:, 1] = length
+        part[:, 2] = reg.device
+        parts.append(part)
+    return np.concatenate(parts)
+
+
+def _release(handle: Any, what: str) -> None:
+    try:
+        handle.release()
+    except Exception as exc:  # noqa: BLE001 - NIXL keeps a leaked handle and frees it with the agent
+        _log.warning("releasing a %s failed: %s: %s", what, type(exc).__name__, exc)
+
+
+def _error_types(api: ModuleType) -> dict[str, type[BaseException]]:
+    bindings = getattr(api, "nixlBind", None)
+
+    def get(name: str) -> type[BaseException]:
+        found = getattr(bindings, name, None)
+        return found if isinstance(found, type) and issubclass(found, BaseException) else _Never
+
+    return {"disconnect": get("nixlRemoteDisconnectError")}
+
+
+class _Never(Exception):
+    """Stands in for an exception type this NIXL build does not have."""
+
+
+def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
+                backends: list[str], num_threads: int) -> Any:
+    """A ``nixl_agent`` with the given backends; with ``delay_us`` set, its progress thread
+    sleeps that long between rounds. NIXL's Python API hardcodes no delay, so in that case the
+    binding-level agent is created with our configuration and the backends are created on it
+    through the public ``create_backend``. A NIXL whose Python API is laid out differently gets
+    its own default agent, with a warning."""
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
+    if delay_us is None or not progress_thread:
+        return api.nixl_agent(name, conf)
+    bindings = getattr(api, "nixlBind", None)
+    if bindings is None or not hasattr(bindings, "nixlAgentConfig") or not hasattr(api.nixl_agent, "create_backend"):
+        _log.warning("this NIXL's Python API cannot set the progress thread's delay; using NIXL's default")
+        return api.nixl_agent(name, conf)
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    cfg = bindings.nixlAgentConfig()
+    cfg.useProgThread = True
+    cfg.useListenThread = False
+    cfg.syncMode = bindings.NIXL_THREAD_SYNC_NONE
+    cfg.pthrDelay = int(delay_us)
+    cfg.lthrDelay = 100000
+    cfg.captureTelemetry = False
+    agent.agent = bindings.nixlAgent(name, cfg)  # the agent without backends is dropped
+    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+    for backend in backends:
+        agent.create_backend(backend, init)
+    return agent

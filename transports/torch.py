@@ -1,0 +1,316 @@
+"""The torch transport: KV blocks copied between torch tensors inside one process, by worker threads.
+
+The "network" is a :class:`TorchNetwork`, a registry shared by the transports of one
+process: each :class:`TorchTransport` is an agent in it, owning a worker's KV
+tensors (each shaped ``[num_blocks, ...]``, contiguous, like the NIXL transport's).
+
+Reads are coalesced like NIXL's (:mod:`transports.coalesce`, so slices when TP
+sizes differ) and carried out by a small thread pool. A read waits its configured
+``latency_s``, then copies descriptor by descriptor (long descriptors in chunks of
+``chunk_bytes``) with ``Tensor.copy_``, which releases the GIL. **The worker
+thread that ran the read submits its outcome** (``HandleDone`` or ``HandleFailed``)
+straight into the owning core's log: this transport exists to exercise real
+multi-thread event ingestion, unlike NIXL's, whose outcomes are polled on the owner
+thread.
+
+Completion order. Only after the last byte is in place does the worker put the
+read's notification in the producer's inbox (the NIXL PR 252 rule), and only then
+submit ``HandleDone``. Inboxes are drained, and their notifications submitted, by
+the *receiving* side's :meth:`TorchTransport.progress`.
+
+Cancel rule: the same as NIXL's, but here it can be kept exactly. A cancel sets a
+flag the worker checks before the copy starts and between chunks; the worker
+reports ``HandleFailed(CANCELLED)`` itself once it has stopped touching the local
+blocks, so the report is never early. A read whose copy had already finished is
+reported ``HandleDone``.
+
+Drop rule: :meth:`TorchTransport.drop_peer` forgets the peer at once for new reads
+and sends; reads already running keep their reference to the peer's tensors and
+finish (there is nothing to tear down under them).
+
+Faults: :meth:`TorchNetwork.kill` makes an agent unreachable: reads from it end
+``DISCONNECTED`` (checked before the copy, between chunks, and when delivering the
+notification) and sends to it raise.
+
+Threading: every method is called on the owner thread (the Connector's), except
+that outcomes are submitted by workers; the registry and the read table are guarded
+by locks, inboxes are deques (atomic append/popleft).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import torch
+
+from pdfsm.commands import PostRead
+from pdfsm.events import (
+    EngineKey,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeReply,
+    RankInfo,
+    Source,
+)
+from pdfsm.wire import NotifyMessage, notification_event, notify_codec
+from transports.base import Capabilities, Clock, Submit, TransportError
+from transports.coalesce import Region, SliceError, read_descs
+
+__all__ = ["TorchNetwork", "TorchRankMetadata", "TorchTransport"]
+
+
+class TorchRankMetadata(msgspec.Struct, frozen=True, tag="torch/1", gc=False):
+    """What a rank publishes: per region, (block stride in bytes, block count)."""
+
+    regions: tuple[tuple[int, int], ...]
+
+
+_meta_decoder = msgspec.msgpack.Decoder(TorchRankMetadata)
+
+
+class TorchNetwork:
+    """The agents of one process, and which of them are dead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.agents: dict[str, TorchTransport] = {}
+        self.dead: set[str] = set()
+
+    def join(self, agent: TorchTransport) -> None:
+        with self._lock:
+            if agent.agent_name in self.agents:
+                raise ValueError(f"agent {agent.agent_name!r} already exists")
+            self.agents[agent.agent_name] = agent
+
+    def leave(self, name: str) -> None:
+        with self._lock:
+            self.agents.pop(name, None)
+
+    def kill(self, name: str) -> None:
+        with self._lock:
+            self.dead.add(name)
+
+    def revive(self, name: str) -> None:
+        with self._lock:
+            self.dead.discard(name)
+
+    def reachable(self, name: str) -> TorchTransport | None:
+        with self._lock:
+            return None if name in self.dead else self.agents.get(name)
+
+    def deliver(self, sender: str, receiver: str, raw: bytes) -> None:
+        """Put notification bytes in the receiver's inbox; raise if it is unreachable."""
+        target = self.reachable(receiver)
+        if target is None:
+            raise TransportError(f"{receiver}: peer unreachable")
+        target.inbox.append((sender, raw))
+
+
+class _Read:
+    __slots__ = ("cancel", "cmd", "peer", "plan")
+
+    def __init__(self, cmd: PostRead, peer: str, plan: list[tuple[int, list[tuple[int, int, int]]]]) -> None:
+        self.cmd, self.peer, self.plan = cmd, peer, plan  # plan: (region, [(local off, remote off, len)])
+        self.cancel = threading.Event()
+
+
+class TorchTransport:
+    """One in-process agent: a worker's KV tensors, a thread pool of copiers, an inbox."""
+
+    def __init__(
+        self,
+        network: TorchNetwork,
+        agent_name: str,
+        kv_caches: Sequence[torch.Tensor],
+        *,
+        pp_rank: int = 0,
+        tp_rank: int = 0,
+        supports_pp: bool = True,
+        latency_s: float = 0.0,
+        workers: int = 2,
+        chunk_bytes: int = 4 << 20,
+    ) -> None:
+        if latency_s < 0 or workers < 1 or chunk_bytes < 1:
+            raise ValueError("latency_s must be >= 0, workers and chunk_bytes >= 1")
+        self.network, self.agent_name = network, agent_name
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.latency_s, self.chunk_bytes = latency_s, chunk_bytes
+        self.tensors = list(kv_caches)
+        if not self.tensors:
+            raise ValueError("kv_caches: at least one tensor is needed")
+        nums = {int(t.shape[0]) if t.dim() else 0 for t in self.tensors}
+        if len(nums) != 1 or 0 in nums:
+            raise ValueError(f"kv_caches: every tensor must be [num_blocks, ...] with one num_blocks, got {nums}")
+        self.flat: list[torch.Tensor] = []
+        self.regions: list[Region] = []
+        for i, t in enumerate(self.tensors):
+            if not t.is_contiguous():
+                raise ValueError(f"kv_caches[{i}] is not contiguous")
+            flat = t.view(-1).view(torch.uint8)
+            self.flat.append(flat)
+            self.regions.append(Region(0, flat.numel() // int(t.shape[0]), int(t.shape[0])))
+        kinds = {"VRAM" if t.is_cuda else "DRAM" for t in self.tensors}
+        self.capabilities = Capabilities(name="torch", supports_pp=supports_pp,
+                                         memory_kinds=frozenset({"DRAM", *kinds}))
+        self.peers: dict[EngineKey, dict[int, str]] = {}
+        self.reads: dict[tuple[str, int, int], _Read] = {}
+        self._reads_lock = threading.Lock()
+        self.inbox: deque[tuple[str, bytes]] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"torch-xfer-{agent_name}")
+        self._submit: Submit | None = None
+        self._clock: Clock = lambda: 0
+        self._closed = False
+        network.join(self)
+
+    def bind(self, submit: Submit, clock: Clock) -> None:
+        self._submit, self._clock = submit, clock
+
+    def _emit(self, ev: object) -> None:
+        assert self._submit is not None, "bind() first"
+        self._submit(ev)  # type: ignore[arg-type]
+
+    def rank_info(self) -> RankInfo:
+        meta = msgspec.msgpack.encode(TorchRankMetadata(tuple((r.stride, r.num_blocks) for r in self.regions)))
+        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=meta)
+
+    # --- peers ------------------------------------------------------------------------------------
+
+    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+        ranks: dict[int, str] = {}
+        for info in reply.ranks:
+            if info.pp_rank != key[1]:
+                continue
+            peer = self.network.reachable(info.agent)
+            if peer is None:
+                raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
+            try:
+                meta = _meta_decoder.decode(info.metadata)
+            except msgspec.DecodeError as exc:
+                raise TransportError(f"bad rank metadata from {info.agent!r}: {exc}") from None
+            if list(meta.regions) != [(r.stride, r.num_blocks) for r in peer.regions]:
+                raise TransportError(f"rank metadata of {info.agent!r} does not describe its memory")
+            ranks[info.tp_rank] = info.agent
+        if not ranks:
+            raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
+        self.peers[key] = ranks
+
+    def drop_peer(self, key: EngineKey) -> None:
+        self.peers.pop(key, None)
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    def post_read(self, cmd: PostRead) -> None:
+        if self._closed:
+            raise TransportError(f"TorchTransport {self.agent_name!r} is closed")
+        src = cmd.source
+        name = self.peers.get((cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
+        if name is None:
+            raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
+        peer = self.network.reachable(name)
+        if peer is None:
+            raise TransportError(f"{name}: peer unreachable")
+        if len(peer.regions) != len(self.regions):
+            raise TransportError(f"peer has {len(peer.regions)} KV regions, this rank {len(self.regions)}")
+        plan: list[tuple[int, list[tuple[int, int, int]]]] = []
+        try:
+            for k, (lreg, rreg) in enumerate(zip(self.regions, peer.regions, strict=True)):
+                dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, [lreg], [rreg],
+                                    local_slice=src.local_slice, local_slices=src.local_slices,
+                                    remote_slice=src.remote_slice, remote_slices=src.remote_slices)
+                plan.append((k, [(int(a), int(b), int(n)) for (a, n, _), (b, _, _) in zip(dl.tolist(), dr.tolist(),
+                                                                                              strict=True)]))
+        except SliceError as exc:
+            raise TransportError(str(exc)) from None
+        key = (cmd.request_id, src.pp_rank, src.tp_rank)
+        read = _Read(cmd, name, plan)
+        with self._reads_lock:
+            if key in self.reads:
+                raise TransportError(f"read {key} is already in flight")
+            self.reads[key] = read
+        try:
+            self._pool.submit(self._run, read)
+        except RuntimeError as exc:  # the pool is shut down
+            with self._reads_lock:
+                del self.reads[key]
+            raise TransportError(f"cannot start the read: {exc}") from None
+
+    def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
+        with self._reads_lock:
+            read = self.reads.get((request_id, pp_rank, tp_rank))
+        if read is not None:
+            read.cancel.set()
+
+    def _run(self, read: _Read) -> None:
+        """Worker thread: wait, copy, notify, then report, exactly once."""
+        why: HandleFailure | None = None
+        detail = ""
+        try:
+            why, detail = self._copy(read)
+            if why is None:
+                note = read.cmd.notification
+                try:
+                    self.network.deliver(self.agent_name, read.peer, notify_codec.encode(note))
+                except TransportError as exc:
+                    why, detail = HandleFailure.DISCONNECTED, f"notification not delivered: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a failing copy fails the handle, never the worker
+            why, detail = HandleFailure.RAISED, f"{type(exc).__name__}: {exc}"
+        src = read.cmd.source
+        with self._reads_lock:
+            self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
+        common = {"source": Source.TRANSFER, "t_ns": self._clock(), "request_id": read.cmd.request_id,
+                  "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
+        if why is None:
+            self._emit(HandleDone(**common))  # type: ignore[arg-type]
+        else:
+            self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
+
+    def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
+        if self.latency_s and read.cancel.wait(self.latency_s):
+            return HandleFailure.CANCELLED, "cancelled before the copy started"
+        chunk = self.chunk_bytes
+        for k, descs in read.plan:
+            dst = self.flat[k]
+            for loff, roff, length in descs:
+                for start in range(0, length, chunk):
+                    if read.cancel.is_set():
+                        return HandleFailure.CANCELLED, "cancelled; the copy stopped"
+                    peer = self.network.reachable(read.peer)
+                    if peer is None:
+                        return HandleFailure.DISCONNECTED, f"{read.peer} went away"
+                    n = min(chunk, length - start)
+                    dst[loff + start:loff + start + n].copy_(peer.flat[k][roff + start:roff + start + n])
+        return None, ""
+
+    # --- notifications --------------------------------------------------------------------------
+
+    def send(self, key: EngineKey, tp_rank: int, message: NotifyMessage) -> None:
+        name = self.peers.get(key, {}).get(tp_rank)
+        if name is None:
+            raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
+        self.network.deliver(self.agent_name, name, notify_codec.encode(message))
+
+    def progress(self) -> None:
+        """Submit the notifications that arrived in this agent's inbox (reads report themselves)."""
+        if not self.inbox:
+            return
+        now = self._clock()
+        for _ in range(len(self.inbox)):
+            sender, raw = self.inbox.popleft()
+            self._emit(notification_event(raw, sender=sender, source=Source.NOTIFY, t_ns=now))
+
+    def close(self) -> None:
+        """Cancel every read and wait for the workers, which report them; leave the network."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._reads_lock:
+            reads = list(self.reads.values())
+        for read in reads:
+            read.cancel.set()
+        self._pool.shutdown(wait=True)
+        self.network.leave(self.agent_name)
