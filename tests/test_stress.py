@@ -84,7 +84,8 @@ def _stress(make_transport: Callable[[str, int, list[torch.Tensor]], Any]) -> No
         if started < REQUESTS and len(decode.recving) > started - 32:  # at most 32 in flight
             i = started
             local, remote = tables[f"d{i}"]
-            params = [w.conn.request_finished(f"p{i}", remote) for w in prefill][0]
+            held = [w.conn.request_finished(f"p{i}", remote) for w in prefill]  # every rank holds its part
+            params = held[0]
             decode.conn.load(f"d{i}", local, params)
             started += 1
         for w in workers:
