@@ -20,7 +20,7 @@ requests by sending garbage.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -110,9 +110,11 @@ class Core:
         self.engines: Final[dict[EngineKey, engine.RemoteEngine]] = {}
         # Consumer read deadlines and producer leases (staging times too), each on its own wheel.
         self.deadlines, self.leases = timers or (Timers(), Timers())
-        # OrderedDicts: dropping the oldest entry of a plain dict after many deletions is O(n).
-        self._remembered: Final[dict[int, OrderedDict[Any, State]]] = {
-            CONSUMER: OrderedDict(), PRODUCER: OrderedDict(), ENGINE: OrderedDict()}
+        # Remembered terminal states: a dict per machine kind, with its keys in arrival order in a
+        # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
+        # OrderedDict's bookkeeping costs more than this on the hot path).
+        self._remembered: Final[dict[int, dict[Any, State]]] = {CONSUMER: {}, PRODUCER: {}, ENGINE: {}}
+        self._remembered_order: Final[deque[tuple[dict[Any, State], Any]]] = deque()
         self._ready: dict[str, None] = {}
         self._staged: OrderedDict[str, None] = OrderedDict()
         self._commands: list[Command] = []
@@ -126,12 +128,16 @@ class Core:
         self.violations: Final[dict[Fault, int]] = {Fault.LOCAL: 0, Fault.REMOTE: 0}  # rejected or handled
         self.rejections: Final[dict[Fault, int]] = {Fault.LOCAL: 0, Fault.REMOTE: 0}  # illegal events only
         self._routes = self._build_routes()
+        self._window_append = self.log.window.append
+        self._unsunk_append = self.log.unsunk.append
+        self._sinking = self.log.sink is not None
+        self._tombstones = config.tombstones
         self._last_t = t_ns
         self._logger = logger if logger is not None else structlog.get_logger("pdfsm")
         self.refresh_logging()
         self.apply(Started(source=Source.CORE, t_ns=t_ns, config=config))
 
-    def _build_routes(self) -> dict[type, tuple[int, dict[Any, Any], dict[State, Any], str, Any, Any]]:
+    def _build_routes(self) -> dict[type, tuple[int, dict[Any, Any], dict[State, Any], str, Any, dict[Any, State]]]:
         """Per event type: (target, machines, options by state, machine name, maker, remembered)."""
         routes = {}
         for target, machines, table, make in (
@@ -221,8 +227,11 @@ class Core:
                     del machines[key]
                 if after in REMEMBERED:
                     remembered[key] = after
-                    if len(remembered) > self.config.tombstones:
-                        remembered.popitem(last=False)
+                    order = self._remembered_order
+                    order.append((remembered, key))
+                    if len(order) > self._tombstones:
+                        old, old_key = order.popleft()
+                        old.pop(old_key, None)
             elif not stored:
                 machines[key] = m
             if opt.fault is None:
@@ -234,9 +243,9 @@ class Core:
             row = (seq, ev, name, before.name, before.name, IGNORED, opt.reason, None, cause)
         else:
             row = (seq, ev, name, before.name, before.name, REJECTED, opt.reason, opt.fault.value, cause)
-        log.window.append(row)
-        if log.unsunk is not None:
-            log.unsunk.append(row)
+        self._window_append(row)
+        if self._sinking:
+            self._unsunk_append(row)
         if opt.fault is not None:
             self._violation(row, target, key, m if stored else None)
         if self._debug:

@@ -136,7 +136,7 @@ class EventLog:
         self.inbox_limit: Final = inbox_limit
         self.overflow: Final = overflow
         self.next_seq = 0
-        self.unsunk: list[Row] | None = [] if sink is not None else None
+        self.unsunk: Final[list[Row]] = []  # rows not yet handed to the sink; always this one list
         self._room = threading.Condition()
         self._waiting = 0
         self._dropped: Counter[str] = Counter()
@@ -190,7 +190,7 @@ class EventLog:
         row: Row = (seq, event, machine, before, state, int(outcome), reason,
                     None if fault is None else fault.value, cause)
         self.window.append(row)
-        if self.unsunk is not None:
+        if self.sink is not None:
             self.unsunk.append(row)
         return row
 
@@ -205,7 +205,8 @@ class EventLog:
     def flush(self) -> None:
         """Hand recorded rows to the sink and wake producers waiting for room."""
         if self.unsunk and self.sink is not None:
-            batch, self.unsunk = self.unsunk, []
+            batch = self.unsunk[:]
+            self.unsunk.clear()  # cleared in place: the core holds its append method
             self.sink.write(batch)
         if self._waiting:
             with self._room:
