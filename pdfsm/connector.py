@@ -288,8 +288,9 @@ class Connector:
         """
         self.step()
         self._step += 1
-        self.core.submit(Collect(source=Source.SCHEDULER, t_ns=self._clock(), step=self._step))
-        self.step()
+        if self.core.pending_hand_offs:  # a collect with nothing to hand back would only fill the log
+            self.core.submit(Collect(source=Source.SCHEDULER, t_ns=self._clock(), step=self._step))
+            self.step()
         out, self._out = self._out, []
         sending, expired, recving, aborted = set(), set(), set(), set()
         failed: list[HandOff] = []

@@ -1,0 +1,370 @@
+"""One engine in its own OS process, for the demo and the soak run.
+
+A prefill or a decode engine: one worker per (pp_rank, tp_rank), each a
+:class:`~pdfsm.connector.Connector` over a :class:`~transports.nixl.NixlTransport` (or the
+simulated transport) and a paged torch KV cache, all driven by one owner thread (this
+process's main loop). The parent (pdfsm.run) plays the router and both schedulers: it sends
+operations as JSON lines on stdin and reads results as JSON lines on stdout, marked with
+``PDFSM `` because NIXL writes log lines of its own to stdout. Nothing is pickled.
+
+KV layout: each worker registers ``layers`` tensors shaped ``[num_blocks, heads, head_bytes]``
+(heads are this rank's share: ``heads / tp``, or one replicated latent head with MLA), so a
+block's heads are contiguous and a TP slice of a block is a contiguous range of heads. The
+bytes of request ``seed``, layer ``l``, the request's ``i``-th block and global head ``h`` are
+a deterministic function of those four, the same in every process: the decode side recomputes
+them and checks every byte it read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import structlog
+import torch
+
+from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.events import CoreConfig, HandshakeReply, NotificationReceived, Source
+from pdfsm.fsm import Fault
+from pdfsm.log import EventLog
+from pdfsm.wire import Notification
+
+__all__ = ["Op", "Result", "main", "request_bytes"]
+
+MARK = "PDFSM "
+COMPAT = "pdfsm-demo-model-v1"
+
+
+class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):
+    """Parent to engine."""
+
+
+class Prefill(Op, kw_only=True):
+    rid: str
+    blocks: int
+    seed: int
+
+
+class Load(Op, kw_only=True):
+    rid: str
+    params: KVTransferParams
+    seed: int
+
+
+class Abort(Op, kw_only=True):
+    rid: str
+
+
+class Forge(Op, kw_only=True):
+    """Send the producer a notification for a request it never had (a remote fault)."""
+
+
+class Finish(Op, kw_only=True):
+    """Drain what is in flight (up to ``grace_s``), flush the logs, report the accounting, exit."""
+
+    grace_s: float = 30.0
+
+
+OpType = Prefill | Load | Abort | Forge | Finish
+
+
+class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Engine to parent."""
+
+    ev: Literal["ready", "prefilled", "released", "done", "accounting", "error"]
+    rid: str = ""
+    port: int = 0
+    params: KVTransferParams | None = None
+    outcome: str = ""
+    expired: bool = False
+    verified: bool = False
+    reason: str = ""
+    free: int = 0
+    total: int = 0
+    in_flight: int = 0
+    local_violations: int = 0
+    remote_violations: int = 0
+    logs: list[str] = []
+    t_ns: int = 0
+
+
+_encode = msgspec.json.Encoder().encode
+_decode_op = msgspec.json.Decoder(OpType).decode
+
+
+def emit(result: Result) -> None:
+    sys.stdout.write(MARK + _encode(result).decode() + "\n")
+    sys.stdout.flush()
+
+
+def request_bytes(seed: int, layer: int, blocks: int, heads: int, head_bytes: int) -> torch.Tensor:
+    """The KV bytes of a request's layer: ``[blocks, heads, head_bytes]``, the same in every process."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + layer) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.randint(0, 256, (blocks, heads, head_bytes), dtype=torch.uint8, generator=gen)
+
+
+class Worker:
+    """One (pp_rank, tp_rank): its KV tensors, transport and connector."""
+
+    def __init__(self, args: argparse.Namespace, pp: int, tp: int, log_dir: Path) -> None:
+        self.pp, self.tp = pp, tp
+        layers_here = args.layers // args.pp
+        self.layers = list(range(pp * layers_here, (pp + 1) * layers_here))
+        self.heads = 1 if args.mla else args.heads // args.tp
+        self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8)
+                   for _ in self.layers]
+        name = f"{args.role}-pp{pp}-tp{tp}"
+        self.log_dir = log_dir / name
+        from pdfsm.filesink import FileSink  # noqa: PLC0415 - kept beside its one use
+
+        self.sink = FileSink(self.log_dir, metadata={"engine_id": args.engine_id, "worker": name})
+        config = CoreConfig(engine_id=args.engine_id, tp_rank=tp, tp_size=args.tp, pp_rank=pp, pp_size=args.pp,
+                            mla=args.mla, compat_hash=args.compat_hash, lease_ns=int(args.lease_s * 1e9),
+                            read_timeout_ns=int(args.read_timeout_s * 1e9), policy=args.policy,
+                            lease_margin_ns=int(args.lease_margin_s * 1e9))
+        self.transport = _transport(args, f"{name}-{os.getpid()}", self.kv, pp, tp, self.layers)
+        self.handshaker = _handshaker(args)
+        self.conn = Connector(config, self.transport, self.handshaker, log=EventLog(sink=self.sink),
+                              host=args.host, port=args.port)
+        if args.drop_notification:
+            self._drop_first_notification(args.drop_notification)
+
+    def _drop_first_notification(self, rid: str) -> None:
+        """Fault: the network loses the first notification for ``rid`` before it reaches the log."""
+        submit, dropped = self.conn.core.submit, []
+
+        def lossy(ev: Any) -> None:
+            if isinstance(ev, NotificationReceived) and ev.request_id == rid and not dropped:
+                dropped.append(ev)
+                return
+            submit(ev)
+
+        self.transport.bind(lossy, time.monotonic_ns)
+
+
+def _transport(args: argparse.Namespace, name: str, kv: list[torch.Tensor], pp: int, tp: int,
+               layers: list[int]) -> Any:
+    from transports.nixl import NixlTransport  # noqa: PLC0415 - imports torch and NIXL: only here
+
+    kwargs: dict[str, Any] = {"pp_rank": pp, "tp_rank": tp, "supports_pp": not args.no_pp}
+    if args.pp > 1 or args.remote_pp > 1:
+        kwargs["layers"] = layers  # a PP rank registers its own layers; reads pair regions by layer
+    return NixlTransport(name, kv, **kwargs)
+
+
+def _handshaker(args: argparse.Namespace) -> Any:
+    from pdfsm.sidechannel import SideChannelHandshaker  # noqa: PLC0415
+
+    return SideChannelHandshaker(args.engine_id)
+
+
+class Engine:
+    """Every worker of one engine, one block pool shared by its ranks (the same block ids on
+    every rank, as a serving engine allocates them), and the parent's operations."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdfsm-logs-"))
+        self.workers = [Worker(args, pp, tp, self.log_dir) for pp in range(args.pp) for tp in range(args.tp)]
+        self.free: deque[int] = deque(range(args.num_blocks))
+        self.held: dict[str, tuple[list[int], int, set[int]]] = {}  # rid -> blocks, seed, ranks pending
+        self._outcomes: dict[str, list[tuple[str, str]]] = {}
+        self.server = None
+        if args.role == "prefill":
+            from pdfsm.sidechannel import SideChannelServer  # noqa: PLC0415
+
+            self.server = SideChannelServer(self._reply_for, host=args.host, port=args.port)
+            self.server.start()
+            port = self.server.port
+            for w in self.workers:
+                w.conn.port = port
+        emit(Result(ev="ready", port=self.server.port if self.server else 0, logs=[str(self.log_dir)]))
+
+    def _reply_for(self, pp_rank: int) -> HandshakeReply:
+        """Every TP rank of that PP rank (the side-channel listener thread calls it: rank_info makes
+        no NIXL call)."""
+        a = self.args
+        ranks = tuple(w.transport.rank_info() for w in self.workers if w.pp == pp_rank)
+        return HandshakeReply(engine_id=a.reply_engine_id or a.engine_id, compat_hash=a.compat_hash, tp_size=a.tp,
+                              pp_size=a.pp, block_size=16, num_blocks=a.num_blocks, mla=a.mla, ranks=ranks)
+
+    # --- operations from the parent -----------------------------------------------------------
+
+    def prefill(self, op: Prefill) -> None:
+        if len(self.free) < op.blocks:
+            emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
+            return
+        blocks = [self.free.popleft() for _ in range(op.blocks)]
+        a = self.args
+        index = torch.tensor(blocks)
+        params = None
+        for w in self.workers:
+            for k, layer in enumerate(w.layers):
+                full = request_bytes(op.seed, layer, op.blocks, 1 if a.mla else a.heads, a.head_bytes)
+                mine = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
+                w.kv[k].index_copy_(0, index, mine)
+            params = w.conn.request_finished(op.rid, blocks)
+        self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
+        emit(Result(ev="prefilled", rid=op.rid, params=params))
+
+    def load(self, op: Load) -> None:
+        n = len(op.params.remote_block_ids)
+        if len(self.free) < n:
+            emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
+            return
+        blocks = [self.free.popleft() for _ in range(n)]
+        self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
+        for w in self.workers:
+            w.conn.load(op.rid, blocks, op.params)
+
+    def abort(self, op: Abort) -> None:
+        for w in self.workers:
+            w.conn.abort(op.rid)
+
+    def forge(self) -> None:
+        """A notification for a request the producer never had, sent like a real one."""
+        w = self.workers[0]
+        core = w.conn.core
+        for key in list(core.engines):
+            if core.engine_connected(key):
+                w.transport.send(key, 0, Notification("never-prefilled", 0, 1))
+                return
+
+    # --- every step -------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        for i, w in enumerate(self.workers):
+            sending, recving = w.conn.get_finished()
+            for rid in sending:
+                self._ranked(rid, i, w.conn.last.expired)
+            failed = {f.request_id: f.reason for f in w.conn.last.failed}
+            for rid in recving:
+                outcome = "failed" if rid in failed else "aborted" if rid in w.conn.last.aborted else "received"
+                self._ranked(rid, i, outcome=outcome, reason=failed.get(rid, ""))
+
+    def _ranked(self, rid: str, rank: int, expired: Any = frozenset(), *, outcome: str = "",
+                reason: str = "") -> None:
+        """One rank finished ``rid``; when every rank has, the engine reports it and frees the blocks."""
+        blocks, seed, pending = self.held[rid]
+        pending.discard(rank)
+        worst = self._outcomes.setdefault(rid, [])
+        if outcome:
+            worst.append((outcome, reason))
+        if pending:
+            return
+        del self.held[rid]
+        outcomes = self._outcomes.pop(rid)
+        if self.args.role == "prefill":
+            emit(Result(ev="released", rid=rid, expired=rid in expired, t_ns=time.monotonic_ns()))
+        else:
+            final = next((o for o in outcomes if o[0] != "received"), ("received", ""))
+            verified = final[0] == "received" and self._verify(blocks, seed)
+            emit(Result(ev="done", rid=rid, outcome=final[0], reason=final[1], verified=verified,
+                        t_ns=time.monotonic_ns()))
+        self.free.extend(blocks)
+
+    def _verify(self, blocks: list[int], seed: int) -> bool:
+        """Every byte this engine's ranks read, against what the producer wrote."""
+        a, index = self.args, torch.tensor(blocks)
+        for w in self.workers:
+            for k, layer in enumerate(w.layers):
+                full = request_bytes(seed, layer, len(blocks), 1 if a.mla else a.heads, a.head_bytes)
+                want = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
+                if not torch.equal(w.kv[k].index_select(0, index), want):
+                    return False
+        return True
+
+    def finish(self, op: Finish) -> None:
+        deadline = time.monotonic() + op.grace_s
+        while self.held and time.monotonic() < deadline:
+            self.step()
+            time.sleep(0.001)
+        local = remote = 0
+        for w in self.workers:
+            local += w.conn.core.rejections[Fault.LOCAL]
+            remote += w.conn.core.violations[Fault.REMOTE]
+            w.conn.shutdown()
+        if self.server is not None:
+            self.server.close()
+        emit(Result(ev="accounting", free=len(self.free), total=self.args.num_blocks, in_flight=len(self.held),
+                    local_violations=local, remote_violations=remote,
+                    logs=[str(w.log_dir) for w in self.workers]))
+
+
+def _read_ops(out: queue.Queue[OpType | None]) -> None:
+    for line in sys.stdin:
+        if line.strip():
+            out.put(_decode_op(line.encode()))
+    out.put(None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--reply-engine-id", default="", help="fault: the listener answers with this engine id")
+    p.add_argument("--compat-hash", default=COMPAT)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--remote-pp", type=int, default=1)
+    p.add_argument("--no-pp", action="store_true", help="the transport cannot serve pp_rank > 0")
+    p.add_argument("--mla", action="store_true")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8, help="the model's KV heads, shared out over the TP ranks")
+    p.add_argument("--head-bytes", type=int, default=256)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--policy", choices=("recompute", "fail"), default="recompute")
+    p.add_argument("--lease-s", type=float, default=30.0)
+    p.add_argument("--lease-margin-s", type=float, default=1.0)
+    p.add_argument("--read-timeout-s", type=float, default=10.0)
+    p.add_argument("--drop-notification", default="", help="fault: lose the first notification for this id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--log-dir", default="")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import logging  # noqa: PLC0415
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    engine = Engine(args)
+    ops: queue.Queue[OpType | None] = queue.Queue()
+    threading.Thread(target=_read_ops, args=(ops,), daemon=True).start()
+    while True:
+        try:
+            op = ops.get(timeout=0.0005)
+        except queue.Empty:
+            engine.step()
+            continue
+        if op is None:  # the parent closed our input: finish as if asked
+            engine.finish(Finish())
+            return 0
+        if isinstance(op, Prefill):
+            engine.prefill(op)
+        elif isinstance(op, Load):
+            engine.load(op)
+        elif isinstance(op, Abort):
+            engine.abort(op)
+        elif isinstance(op, Forge):
+            engine.forge()
+        elif isinstance(op, Finish):
+            engine.finish(op)
+            return 0
+        engine.step()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""A prefill engine and a decode engine in two OS processes over real NIXL, then their logs replayed.
+
+This process plays the router and both schedulers: it asks the prefill engine
+(:mod:`pdfsm.engines`) to prefill requests, hands each request's ``kv_transfer_params`` to
+the decode engine, and collects what each reports. Each worker writes its event log; at
+the end every log is read back, replayed (a divergence is an error) and summarized, and
+the run checks that every request ended in a defined state, every byte read was the one
+written, both block pools are whole again, and nothing was blamed on us.
+
+Faults (``--fault``) show each failure path ending in a defined state:
+
+- ``kill-prefill``: the prefill process is killed (SIGKILL) while reads are in flight;
+- ``drop-notification``: the network loses one notification, so that request's blocks
+  are released by its lease (shortened for the run);
+- ``forge-notification``: the producer gets a notification for a request it never had;
+- ``wrong-engine-id``: the producer's listener answers with another engine id, as
+  unsynced multi-node ids did (vLLM PR 39907);
+- ``compat-hash``: the two engines run incompatible models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from pdfsm.engines import MARK, Abort, Finish, Forge, Load, Prefill, Result
+from pdfsm.filelog import read_log
+from pdfsm.replay import render, replay, summarize
+
+__all__ = ["Outcome", "add_arguments", "run"]
+
+FAULTS = ("kill-prefill", "drop-notification", "forge-notification", "wrong-engine-id", "compat-hash")
+_decode_result = msgspec.json.Decoder(Result).decode
+_encode = msgspec.json.Encoder().encode
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--prefill-tp", type=int, default=2)
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--prefill-pp", type=int, default=1)
+    p.add_argument("--mla", action="store_true", help="replicated latent KV: each consumer rank reads one producer rank")
+    p.add_argument("--no-pp", action="store_true", help="the decode transport cannot serve pp_rank > 0")
+    p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most")
+    p.add_argument("--in-flight", type=int, default=8)
+    p.add_argument("--fault", choices=FAULTS, action="append", default=[])
+    p.add_argument("--abort", type=int, default=0, help="abort this many requests while their reads run")
+    p.add_argument("--lease-s", type=float, default=20.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--log-dir", help="each worker's event log goes in a subdirectory here")
+    p.add_argument("--quiet", action="store_true", help="no per-request timelines at the end")
+
+
+class Engine:
+    """A child engine process and the results it reports."""
+
+    def __init__(self, role: str, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.role = role
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdfsm.engines", "--role", role, *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.results: queue.Queue[Result] = queue.Queue()
+        self.stderr: list[str] = []
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        threading.Thread(target=self._errors, args=(self.proc.stderr,), daemon=True).start()
+        self.dead = False
+
+    def _read(self, out: IO[str]) -> None:
+        for line in out:
+            if line.startswith(MARK):
+                self.results.put(_decode_result(line[len(MARK):].encode()))
+
+    def _errors(self, err: IO[str]) -> None:
+        for line in err:
+            self.stderr.append(line.rstrip())
+
+    def send(self, op: Any) -> None:
+        if self.dead or self.proc.poll() is not None:
+            return
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(_encode(op).decode() + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.dead = True
+
+    def wait_for(self, ev: str, timeout: float) -> Result:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                r = self.results.get(timeout=0.1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            if r.ev == ev:
+                return r
+        tail = "\n".join(self.stderr[-20:])
+        raise RuntimeError(f"the {self.role} engine did not report {ev!r} in {timeout:.0f} s:\n{tail}")
+
+    def kill(self) -> None:
+        self.dead = True
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@dataclass
+class Outcome:
+    """What a run did, for the summary, the tests and the soak's JSON."""
+
+    requests: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    bad_bytes: int = 0
+    released: int = 0
+    expired: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    accounting: dict[str, Result] = field(default_factory=dict)
+    logs: list[Path] = field(default_factory=list)
+    divergent: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str]:
+    faults = set(args.fault)
+    prefill = role == "prefill"
+    lease = 3.0 if "drop-notification" in faults else args.lease_s
+    argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(args.prefill_tp if prefill else args.decode_tp),
+            "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
+            "--layers", "4", "--lease-s", str(lease), "--log-dir", str(log_dir)]
+    if args.mla:
+        argv.append("--mla")
+    if prefill:
+        if "wrong-engine-id" in faults:
+            argv += ["--reply-engine-id", "prefill-node1"]
+        if "compat-hash" in faults:
+            argv += ["--compat-hash", "another-model-v7"]
+        if "drop-notification" in faults:
+            argv += ["--drop-notification", "p-1"]
+    elif args.no_pp:
+        argv.append("--no-pp")
+    return argv
+
+
+def run(args: argparse.Namespace, *, show: bool = True) -> Outcome:
+    """Run the two engines; returns what happened (``show`` prints progress and the replay)."""
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdfsm-demo-"))
+    out = Outcome()
+    start = time.monotonic()
+    prefill = Engine("prefill", _engine_args(args, "prefill", log_dir))
+    decode = Engine("decode", _engine_args(args, "decode", log_dir))
+    try:
+        prefill.wait_for("ready", 60)
+        decode.wait_for("ready", 60)
+        _drive(args, prefill, decode, out, show)
+    finally:
+        for eng in (prefill, decode):
+            if eng.proc.poll() is None:
+                eng.send(Finish(grace_s=10.0))
+        for eng in (prefill, decode):
+            if not eng.dead:
+                try:
+                    out.accounting[eng.role] = eng.wait_for("accounting", 30)
+                except RuntimeError as exc:
+                    out.problems.append(str(exc))
+            eng.proc.wait(timeout=30)
+    out.seconds = time.monotonic() - start
+    out.logs = sorted(p for p in log_dir.iterdir() if p.is_dir())
+    _check(args, out, prefill.dead)
+    if show:
+        _report(args, out)
+    return out
+
+
+def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outcome, show: bool) -> None:
+    rng = random.Random(args.seed)
+    faults = set(args.fault)
+    started = done = 0
+    in_flight: dict[str, float] = {}
+    to_abort = args.abort
+    deadline = time.monotonic() + args.timeout_s
+    last_show = 0.0
+    releases_due = args.requests
+    while done < started or started < args.requests or out.released + out.expired < min(started, releases_due):
+        if time.monotonic() > deadline:
+            out.problems.append(f"timed out after {args.timeout_s:.0f} s with {len(in_flight)} requests in flight")
+            return
+        while started < args.requests and len(in_flight) < args.in_flight and not prefill.dead:
+            i = started
+            started += 1
+            in_flight[f"d-{i}"] = time.monotonic()
+            prefill.send(Prefill(rid=f"p-{i}", blocks=rng.randint(1, args.max_blocks), seed=rng.randrange(1 << 30)))
+        for r in _drain(prefill):
+            if r.ev == "prefilled" and r.params is not None:
+                i = int(r.rid.split("-")[1])
+                decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i)))
+                if to_abort and i % 3 == 1:
+                    to_abort -= 1
+                    decode.send(Abort(rid=f"d-{i}"))
+            elif r.ev == "released":
+                out.expired += r.expired
+                out.released += not r.expired
+            elif r.ev == "error":
+                out.problems.append(f"prefill: {r.rid}: {r.reason}")
+        for r in _drain(decode):
+            if r.ev == "done":
+                done += 1
+                out.outcomes[r.outcome] += 1
+                out.bad_bytes += r.outcome == "received" and not r.verified
+                t0 = in_flight.pop(r.rid, None)
+                if t0 is not None:
+                    out.latencies_ms.append((time.monotonic() - t0) * 1e3)
+            elif r.ev == "error":
+                out.problems.append(f"decode: {r.rid}: {r.reason}")
+        if "kill-prefill" in faults and not prefill.dead and started >= args.requests // 2 and in_flight:
+            prefill.kill()  # mid-transfer: reads are in flight
+            releases_due = 0
+            started = args.requests  # nothing more can be prefilled
+        if "forge-notification" in faults and done == 2:
+            decode.send(Forge())
+            faults.discard("forge-notification")
+        if show and time.monotonic() - last_show > 0.5:
+            last_show = time.monotonic()
+            print(f"\r  requests {done}/{args.requests} done, {len(in_flight)} in flight, "
+                  f"{dict(out.outcomes)}, producer released {out.released} (+{out.expired} by lease)   ",
+                  end="", flush=True)
+        if prefill.dead and done >= started:
+            break
+        time.sleep(0.002)
+    out.requests = done
+    if show:
+        print()
+
+
+def _seed_of(args: argparse.Namespace, i: int) -> int:
+    """The prefill seed of request i (the same draw sequence as _drive's)."""
+    rng = random.Random(args.seed)
+    seed = 0
+    for _ in range(i + 1):
+        rng.randint(1, args.max_blocks)
+        seed = rng.randrange(1 << 30)
+    return seed
+
+
+def _drain(engine: Engine) -> list[Result]:
+    out = []
+    while True:
+        try:
+            out.append(engine.results.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _check(args: argparse.Namespace, out: Outcome, prefill_killed: bool) -> None:
+    if out.bad_bytes:
+        out.problems.append(f"{out.bad_bytes} requests received with bytes that differ from the producer's")
+    for role, acc in out.accounting.items():
+        if acc.free != acc.total or acc.in_flight:
+            out.problems.append(f"{role}: {acc.total - acc.free} blocks not returned, {acc.in_flight} requests open")
+        if acc.local_violations:
+            out.problems.append(f"{role}: {acc.local_violations} illegal events blamed on us")
+    for log in out.logs:
+        try:
+            replay(read_log(log, on_torn_tail="stop"))
+        except Exception as exc:  # noqa: BLE001 - any failure to replay is reported
+            out.divergent.append(f"{log.name}: {exc}")
+    out.problems += [f"replay: {d}" for d in out.divergent]
+
+
+def _report(args: argparse.Namespace, out: Outcome) -> None:
+    lat = sorted(out.latencies_ms)
+    p50 = lat[len(lat) // 2] if lat else 0.0
+    print(f"pdfsm demo: {out.requests} requests from prefill (TP {args.prefill_tp}, PP {args.prefill_pp}) to decode "
+          f"(TP {args.decode_tp}){' with MLA' if args.mla else ''} over NIXL in two processes, "
+          f"{out.seconds:.1f} s; faults: {', '.join(args.fault) or 'none'}")
+    print(f"  decode outcomes {dict(out.outcomes)}, bytes verified for every received request: "
+          f"{'yes' if not out.bad_bytes else 'NO'}, p50 latency {p50:.1f} ms")
+    print(f"  prefill released {out.released} by notification, {out.expired} by lease")
+    for log in out.logs:
+        records = read_log(log, on_torn_tail="stop")
+        summary = summarize(records)
+        title = f"{log.name} (replayed{': DIVERGED' if any(log.name in d for d in out.divergent) else ', no divergence'})"
+        for line in render(summary, title=title, timelines=0 if args.quiet else 1):
+            print(line)
+    print(f"logs: {out.logs[0].parent if out.logs else '-'}")
+    print("result: " + ("every request ended in a defined state, nothing leaked" if not out.problems
+                        else "PROBLEMS:\n  " + "\n  ".join(out.problems)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdfsm demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    from pdfsm.cli import configure_logging  # noqa: PLC0415
+
+    configure_logging("warning")
+    out = run(args, show=not args.json)
+    if args.json:
+        print(json.dumps({"requests": out.requests, "outcomes": dict(out.outcomes), "bad_bytes": out.bad_bytes,
+                          "problems": out.problems, "seconds": round(out.seconds, 2)}))
+    return 0 if not out.problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
