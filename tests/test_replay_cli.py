@@ -10,8 +10,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from helpers import run_cli
 
-from pdfsm.cli import main
 from pdfsm.filelog import FORMAT_VERSION, read_log, segment_name, segment_paths, write_segment
 from pdfsm.log import Outcome, Record
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    code = run_cli(*argv)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -27,7 +27,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("clean")
-    assert main(["demo", "--requests", "8", "--log-dir", str(d), "--quiet"]) == 0
+    assert run_cli("demo", "--requests", "8", "--log-dir", str(d), "--quiet") == 0
     return d
 
 
@@ -35,7 +35,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo with req-3's notification to prefill rank 0 dropped: that rank's lease expires."""
     d = tmp_path_factory.mktemp("faulty")
-    assert main(["demo", "--requests", "6", "--log-dir", str(d), "--quiet", "--fault", "drop-notification"]) == 0
+    assert run_cli("demo", "--requests", "6", "--log-dir", str(d), "--quiet", "--fault", "drop-notification") == 0
     return d
 
 

@@ -10,17 +10,17 @@ import zlib
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
-from pdfsm.cli import main
 from pdfsm.report import STATE_COLOURS, TIMELINE_BG
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("report")
-    assert main(["demo", "--requests", "6", "--log-dir", str(d / "logs"), "--quiet", "--fault",
-                 "drop-notification"]) == 0
-    assert main(["report", str(d / "logs"), "-o", str(d / "report.html")]) == 0
+    assert run_cli("demo", "--requests", "6", "--log-dir", str(d / "logs"), "--quiet", "--fault",
+                 "drop-notification") == 0
+    assert run_cli("report", str(d / "logs"), "-o", str(d / "report.html")) == 0
     return d / "report.html"
 
 

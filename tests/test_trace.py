@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import collect, ev, handshake, make_core, read
+from helpers import collect, ev, handshake, make_core, read, run_cli
 
-from pdfsm.cli import main
 from pdfsm.events import BlocksHeld, HandleDone, NotificationReceived
 from pdfsm.log import MemorySink, Record
 from pdfsm.replay import machine_key
@@ -91,9 +90,9 @@ def test_one_slice_per_state_visit_on_the_machine_tracks() -> None:
 
 def test_the_cli_writes_a_trace_of_the_demo_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logs = tmp_path / "logs"
-    assert main(["demo", "--requests", "4", "--log-dir", str(logs), "--quiet", "--fault", "drop-notification"]) == 0
+    assert run_cli("demo", "--requests", "4", "--log-dir", str(logs), "--quiet", "--fault", "drop-notification") == 0
     out = tmp_path / "trace.json"
-    assert main(["trace", str(logs), "-o", str(out)]) == 0
+    assert run_cli("trace", str(logs), "-o", str(out)) == 0
     doc = json.loads(out.read_text())
     _check_structure(doc)
     processes = sorted(e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name")
@@ -103,6 +102,6 @@ def test_the_cli_writes_a_trace_of_the_demo_logs(tmp_path: Path, capsys: pytest.
     assert {"scheduler", "transfer", "notify", "handshake", "producer req-3", "consumer d-req-3"} <= threads
     (violation,) = [e for e in doc["traceEvents"] if e.get("cat") == "violation"]
     assert violation["args"]["event"] == "LeaseExpired" and violation["args"]["fault"] == "remote"
-    assert main(["trace", str(logs), "-o", str(out), "--no-events"]) == 0
+    assert run_cli("trace", str(logs), "-o", str(out), "--no-events") == 0
     assert not any(e.get("cat") == "event" for e in json.loads(out.read_text())["traceEvents"])
-    assert main(["trace", str(tmp_path / "missing"), "-o", str(out)]) == 6
+    assert run_cli("trace", str(tmp_path / "missing"), "-o", str(out)) == 6
