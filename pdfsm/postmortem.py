@@ -207,6 +207,8 @@ def make_progress(enabled: bool | None, *, json_mode: bool = False) -> Progress:
         enabled = not json_mode and sys.stdout.isatty() and sys.stderr.isatty()
     if not enabled:
         return _NoProgress()
+    if not sys.stderr.isatty():  # asked for explicitly into a file or pipe: rich would draw nothing there
+        return _PlainProgress()
     try:
         return _RichProgress()
     except ImportError:  # rich is a test dependency, not a runtime one
@@ -281,8 +283,8 @@ def load(name: str, path: Path, *, repair: bool = False, progress: Progress | No
     if reader.torn is not None and out.status == "ok":
         t = reader.torn
         out.status = "torn_tail"
-        out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason, "repaired": False,
-                    "backup": None, "removed_bytes": None}
+        out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason.removeprefix("torn tail: "),
+                    "repaired": False, "backup": None, "removed_bytes": None}
         if reader.repairs:
             rep = reader.repairs[-1]
             out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
@@ -421,13 +423,14 @@ def _follow_text(f: Followed) -> Iterator[str]:
         arrow = f"{rec.before} -> {rec.state}" if applied else f"{rec.state} ({rec.outcome.name.lower()})"
         key = machine_key(rec)
         who = f"{rec.machine} {key if isinstance(key, str) else _key(key)}"
-        line = (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {log:{width}s} #{rec.seq:<6d} {who:20s} "
-                f"{type(rec.event).__name__:21s} {arrow:24s} {event_detail(rec.event)}").rstrip()
+        note = ""
         if rec.fault is not None:
-            line += f"  [{rec.fault.value} fault: {rec.reason}]"
-        elif rec.reason and rec.outcome.name != "APPLIED":
-            line += f"  ({rec.reason})"
-        yield line
+            note = f"[{rec.fault.value} fault: {rec.reason}]"
+        elif rec.reason and not applied:
+            note = f"({rec.reason})"
+        tail = " ".join(x for x in (event_detail(rec.event), note) if x)
+        yield (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {log:{width}s} #{rec.seq:<6d} {who:20s} "
+               f"{type(rec.event).__name__:21s} {arrow:24s} {tail}").rstrip()
 
 
 # --- JSON ----------------------------------------------------------------------------------------------

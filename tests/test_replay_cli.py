@@ -218,3 +218,19 @@ def test_json_reports_failures_too(clean: Path, tmp_path: Path, capsys: pytest.C
     assert code == 0 and doc["logs"][0]["status"] == "torn_tail"
     assert list(doc["logs"][0]["torn_tail"]) == _documented()["TornTail"]
     assert doc["logs"][0]["error"] is None
+
+
+def test_progress_only_on_a_terminal_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from pdfsm import postmortem
+
+    assert isinstance(postmortem.make_progress(None), postmortem._NoProgress)  # pytest's stdout is no terminal
+    assert isinstance(postmortem.make_progress(True, json_mode=True), postmortem._PlainProgress)  # asked for
+    assert isinstance(postmortem.make_progress(False), postmortem._NoProgress)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert isinstance(postmortem.make_progress(None), postmortem._RichProgress)
+    assert isinstance(postmortem.make_progress(None, json_mode=True), postmortem._NoProgress)
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # rich not installed: a plain counter
+    assert isinstance(postmortem.make_progress(None), postmortem._PlainProgress)
