@@ -25,7 +25,6 @@ from pathlib import Path
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import CoreConfig, HandshakeReply
 from pdfsm.filelog import read_header, segment_paths
-from pdfsm.log import EventLog, Record
 from pdfsm.postmortem import LoadedLog, load_all, print_replay, verify, worker_log
 from pdfsm.replay import summarize
 from pdfsm.topology import Layout, read_plan
@@ -127,12 +126,8 @@ def _logs(engines: tuple[_Engine, ...], log_dir: str | None) -> list[LoadedLog]:
     """Every worker's log, read back from its files when they were written (and replayed)."""
     if log_dir is not None:
         return load_all([str(Path(log_dir) / f"{e.name}-tp{rank}") for e in engines for rank in range(e.tp)])
-    return [verify(LoadedLog(f"{e.name}-tp{rank}", "(memory)", _records(w.core.log)))
+    return [verify(LoadedLog(f"{e.name}-tp{rank}", "(memory)", w.core.log.records()))
             for e in engines for rank, w in enumerate(e.workers)]
-
-
-def _records(log: EventLog) -> list[Record]:
-    return log.records()
 
 
 def _expected(d_rank: int, args: argparse.Namespace, prefill: _Engine, decode: _Engine,

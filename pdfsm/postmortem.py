@@ -5,22 +5,14 @@ whose subdirectories are logs (what ``pdfsm demo --log-dir`` leaves: one per
 worker). Each log is read whole (a torn tail is accepted and reported, and the file
 is left alone unless ``repair`` is asked), replayed with :func:`pdfsm.replay.replay`
 (every recorded outcome must come out again) and summarized. What went wrong with
-a log is its *status*; the command's exit code is the first failing log's
-(docs/postmortem.md has the table):
+a log is its *status*, and each status has an exit code; the command exits with
+the first failing log's (docs/postmortem.md has the table):
 
-==============  =======================  ====
-status          meaning                  exit
-==============  =======================  ====
-ok              read and replayed        0
-torn_tail       a crash artefact at the  0
-                end; the rest replayed
-divergence      replay recomputed        3
-                something else
-corrupt         damage with good data    4
-                after it (file, offset)
-unsupported     a newer format/schema    5
-no_log          nothing to read there    6
-==============  =======================  ====
+- ``ok`` (0): read and replayed; ``torn_tail`` (0): a crash artefact at the end,
+  reported, the records before it replayed;
+- ``divergence`` (3): replay recomputed something other than a record says;
+- ``corrupt`` (4): damage with good data after it (the file and offset are named);
+- ``unsupported`` (5): a newer format or schema; ``no_log`` (6): nothing there.
 
 Exit code 2 is a usage error (bad ``--at``, a request found in no log).
 ``--json`` output is described in docs/replay-json.md (``"schema": 1``).
@@ -40,14 +32,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from pdfsm.events import CoreConfig, Started
-from pdfsm.filelog import (
-    CorruptLogError,
-    Gap,
-    LogError,
-    LogReader,
-    UnsupportedVersionError,
-    segment_paths,
-)
+from pdfsm.filelog import Gap, LogError, LogReader, UnsupportedVersionError, segment_paths
 from pdfsm.log import EventLog, Record
 from pdfsm.replay import (
     Divergence,
@@ -273,7 +258,7 @@ def load(name: str, path: Path, *, repair: bool = False, progress: Progress | No
             out.records += batch
     except UnsupportedVersionError as e:
         out.status, out.error, out.error_file, out.error_offset = "unsupported", str(e), e.path, e.offset
-    except (CorruptLogError, LogError) as e:  # LogError: an intact frame over the reader's cap
+    except LogError as e:  # CorruptLogError, or an intact frame over the reader's cap: unreadable past here
         out.status, out.error, out.error_file, out.error_offset = "corrupt", str(e), e.path, e.offset
     finally:
         bar.stop()
@@ -335,8 +320,8 @@ def warn_unreadable(logs: Sequence[LoadedLog], tool: str = "pdfsm") -> int:
             print(f"{tool}: {log.name}: torn tail at byte {log.torn['offset']} accepted (file left as it is)",
                   file=sys.stderr)
         elif log.status in ("corrupt", "unsupported", "no_log"):
-            print(f"{tool}: {log.name}: {log.error} (exit {int(log.exit_code)}; using the "
-                  f"{len(log.records)} records before it)", file=sys.stderr)
+            using = "" if log.status == "no_log" else f"; drawing the {len(log.records)} records before the damage"
+            print(f"{tool}: {log.name}: {log.error} (exit {int(log.exit_code)}{using})", file=sys.stderr)
             code = code or int(log.exit_code)
     return code
 

@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
+from pdfsm.log import Record
 from pdfsm.postmortem import LoadedLog, load_all, warn_unreadable
 from pdfsm.replay import Visit, event_detail, machine_key, summarize, visits
 
@@ -103,7 +104,7 @@ class _Row:
     machine: str
     key: Any
     visits: list[Visit]
-    marks: list[Any]  # records with a fault
+    marks: list[Record]  # records with a fault
     end_t: int
     flagged: bool
 
@@ -350,11 +351,11 @@ def render_report(logs: Sequence[LoadedLog], *, rows: int = 200, title: str = "p
 def report_command(args: argparse.Namespace) -> int:
     """``pdfsm report``: the logs are replayed as for ``pdfsm replay``; its exit code, page written anyway."""
     logs = load_all(args.logs)
-    code = warn_unreadable(logs)
+    warn_unreadable(logs, "pdfsm report")
     for log in logs:
         if log.status == "divergence":
             print(f"pdfsm report: {log.name}: {log.error.splitlines()[0]}", file=sys.stderr)
-            code = code or int(log.exit_code)
+    code = next((int(log.exit_code) for log in logs if log.exit_code), 0)  # the first failing log's, as replay
     Path(args.output).write_text(render_report(logs, rows=args.rows))
     print(f"wrote {args.output}: {len(logs)} logs, self-contained (open it in any browser)")
     return code

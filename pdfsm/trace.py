@@ -107,7 +107,7 @@ def chrome_trace(logs: Sequence[tuple[str, Sequence[Record]]], *, events: bool =
 def trace_command(args: argparse.Namespace) -> int:
     """``pdfsm trace LOG... -o trace.json``: not replayed (``pdfsm replay`` checks), only drawn."""
     logs = load_all(args.logs, check=False)
-    code = warn_unreadable(logs)
+    code = warn_unreadable(logs, "pdfsm trace")
     doc = chrome_trace([(log.name, log.records) for log in logs], events=not args.no_events)
     Path(args.output).write_text(json.dumps(doc, separators=(",", ":")))
     kinds: dict[str, int] = {}
