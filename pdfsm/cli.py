@@ -1,4 +1,9 @@
-"""The ``pdfsm`` command: diagrams of the tables, the demo, and (with the file log) replay."""
+"""The ``pdfsm`` command: diagrams of the tables, the demo, and the postmortem tools.
+
+``replay`` checks and summarizes durable logs, ``trace`` turns them into a Chrome
+trace (Perfetto), ``report`` into one self-contained HTML page; docs/postmortem.md
+walks through them on a demo log with a planted fault.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +42,24 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from pdfsm.postmortem import replay_command
+
+    return replay_command(args)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from pdfsm.trace import trace_command
+
+    return trace_command(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pdfsm.report import report_command
+
+    return report_command(args)
+
+
 def configure_logging(level: str) -> None:
     """structlog to stderr at ``level``: the library logs, the application decides where."""
     structlog.configure(
@@ -63,6 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a prefill engine and a decode engine and replay their logs")
     add_arguments(demo)
     demo.set_defaults(func=_demo)
+
+    from pdfsm.postmortem import add_replay_arguments
+
+    r = sub.add_parser("replay", help="check durable logs by replaying them, and summarize what happened",
+                       description="Exit codes: 0 clean or torn tail (reported), 2 usage, 3 divergence, "
+                                   "4 corrupt log, 5 unsupported version, 6 no log (docs/postmortem.md).")
+    add_replay_arguments(r)
+    r.set_defaults(func=_replay)
+
+    t = sub.add_parser("trace", help="write a Chrome trace (open it in Perfetto) of durable logs")
+    t.add_argument("logs", nargs="+", metavar="LOG", help="log directories or segment files, as for replay")
+    t.add_argument("-o", "--output", required=True, help="the trace file to write (JSON)")
+    t.add_argument("--no-events", action="store_true", help="leave out the instant per record on the thread tracks")
+    t.set_defaults(func=_trace)
+
+    h = sub.add_parser("report", help="write one self-contained HTML page about durable logs")
+    h.add_argument("logs", nargs="+", metavar="LOG", help="log directories or segment files, as for replay")
+    h.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    h.add_argument("--rows", type=int, default=200, help="requests drawn in the timeline (200)")
+    h.set_defaults(func=_report)
     return parser
 
 

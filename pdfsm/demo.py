@@ -6,6 +6,13 @@ request under a lease and hands the ``kv_transfer_params`` to the decode side,
 which reads them, verifies every byte it read, and reports each request to its
 scheduler loop exactly once. At the end both engines' logs are replayed (any
 divergence is an error) and summarized.
+
+With ``--log-dir DIR`` every worker writes its event log durably to its own
+directory (``DIR/prefill-tp0``, ``DIR/decode-tp0``...) and the final replay reads
+those files back, exactly as ``pdfsm replay DIR`` does afterwards. ``--fault``
+plants one fault in the simulated network, for a postmortem to find
+(docs/postmortem.md): the demo then still has to end with every request in a
+defined state, but violations are expected and do not fail it.
 """
 
 from __future__ import annotations
@@ -13,16 +20,21 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import CoreConfig, HandshakeReply
-from pdfsm.replay import render, replay, summarize
+from pdfsm.filelog import read_header, segment_paths
+from pdfsm.postmortem import LoadedLog, load_all, print_replay, verify, worker_log
+from pdfsm.replay import summarize
 from pdfsm.topology import Layout, read_plan
-from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
+from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
 
 __all__ = ["add_arguments", "run"]
 
 HOST, PORT = "127.0.0.1", 7100
+WRITER = "pdfsm demo"  # in every segment header the demo writes: its logs may be replaced by a rerun
+FAULTS = ("read-error", "read-hang", "drop-notification", "duplicate-notification")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=64, help="KV blocks per worker")
     parser.add_argument("--block-bytes", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-dir", help="write each engine's event log here")
+    parser.add_argument("--log-dir", help="write each worker's event log durably under this directory, one "
+                        "subdirectory per worker, and replay them from the files")
     parser.add_argument("--quiet", action="store_true", help="summaries only, no timelines")
+    parser.add_argument("--fault", choices=FAULTS,
+                        help="plant one fault on request --fault-request: its read from producer rank 0 ends ERR "
+                        "or hangs, or its first notification is dropped or delivered twice")
+    parser.add_argument("--fault-request", type=int, default=3, metavar="N", help="the request hit: req-N (3)")
+    parser.add_argument("--lease-ms", type=int, default=200, help="producer lease, simulated ms (200)")
+    parser.add_argument("--read-timeout-ms", type=int, default=50, help="consumer read timeout, simulated ms (50)")
 
 
 @dataclass
@@ -45,15 +64,70 @@ class _Engine:
     transports: list[SimTransport] = field(default_factory=list)
 
 
-def _engine(net: SimNetwork, name: str, tp: int, args: argparse.Namespace, clock: list[int], port: int) -> _Engine:
+class _Clock:
+    """The simulated clock every worker shares: 1 ms a scheduler step, and 1 us more each time it
+    is read, so every event gets its own timestamp in the order it happened and the prefill and
+    decode logs interleave correctly when a request is followed across them."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        self.now += 1_000
+        return self.now
+
+    def step(self) -> None:
+        self.now = (self.now // 1_000_000 + 1) * 1_000_000
+
+
+def _engine(net: SimNetwork, name: str, tp: int, args: argparse.Namespace, clock: _Clock, port: int) -> _Engine:
     eng = _Engine(name, tp)
     for rank in range(tp):
-        t = SimTransport(net, f"{name}-tp{rank}", tp_rank=rank, num_blocks=args.blocks,
+        worker = f"{name}-tp{rank}"
+        t = SimTransport(net, worker, tp_rank=rank, num_blocks=args.blocks,
                          block_bytes=args.block_bytes // (tp if not args.mla else 1))
-        cfg = CoreConfig(engine_id=name, tp_rank=rank, tp_size=tp, mla=args.mla, compat_hash="demo-model-v1")
+        # Demo-scale times (the simulated clock moves 1 ms a step) so a planted fault resolves in the run.
+        cfg = CoreConfig(engine_id=name, tp_rank=rank, tp_size=tp, mla=args.mla, compat_hash="demo-model-v1",
+                         lease_ns=args.lease_ms * 1_000_000, read_timeout_ns=args.read_timeout_ms * 1_000_000,
+                         lease_margin_ns=min(10_000_000, args.lease_ms * 100_000))
+        log = None if args.log_dir is None else worker_log(args.log_dir, worker, writer=WRITER, engine_id=name,
+                                                           tp_rank=rank, tp_size=tp, fault=args.fault or "")
         eng.transports.append(t)
-        eng.workers.append(Connector(cfg, t, SimHandshaker(net), clock=lambda: clock[0], host=HOST, port=port))
+        eng.workers.append(Connector(cfg, t, SimHandshaker(net), log=log, clock=clock, host=HOST,
+                                     port=port))
     return eng
+
+
+def _clear_old_logs(log_dir: Path, workers: list[str]) -> str | None:
+    """Remove logs a previous demo run left in the workers' directories; refuse to touch any other log
+    (an engine's log always starts at seq 0, so it cannot be appended to)."""
+    for worker in workers:
+        d = log_dir / worker
+        if not d.is_dir() or not segment_paths(d):
+            continue
+        writer = read_header(segment_paths(d)[0]).meta.get("writer")
+        if writer != WRITER:
+            return f"{d} holds a log the demo did not write; choose another --log-dir"
+        for f in d.iterdir():
+            if f.is_file() and ".pdlog" in f.name:
+                f.unlink()
+    return None
+
+
+def _plant(net: SimNetwork, fault: str, n: int) -> None:
+    """One fault on request ``req-<n>`` (decode id ``d-req-<n>``); keys as the sim transport expects."""
+    if fault in ("read-error", "read-hang"):
+        net.script(f"d-req-{n}", 0, 0, ReadScript(polls=1, end="err" if fault == "read-error" else "hang"))
+    else:
+        net.fault_notification(f"req-{n}", "drop" if fault == "drop-notification" else "duplicate")
+
+
+def _logs(engines: tuple[_Engine, ...], log_dir: str | None) -> list[LoadedLog]:
+    """Every worker's log, read back from its files when they were written (and replayed)."""
+    if log_dir is not None:
+        return load_all([str(Path(log_dir) / f"{e.name}-tp{rank}") for e in engines for rank in range(e.tp)])
+    return [verify(LoadedLog(f"{e.name}-tp{rank}", "(memory)", w.core.log.records()))
+            for e in engines for rank, w in enumerate(e.workers)]
 
 
 def _expected(d_rank: int, args: argparse.Namespace, prefill: _Engine, decode: _Engine,
@@ -73,7 +147,16 @@ def _expected(d_rank: int, args: argparse.Namespace, prefill: _Engine, decode: _
 
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
-    net, clock = SimNetwork(), [0]
+    if args.log_dir is not None:
+        workers = [f"{n}-tp{r}" for n, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp))
+                   for r in range(tp)]
+        refused = _clear_old_logs(Path(args.log_dir), workers)
+        if refused:
+            print(f"demo: {refused}")
+            return 2
+    net, clock = SimNetwork(), _Clock()
+    if args.fault:
+        _plant(net, args.fault, args.fault_request)
     prefill = _engine(net, "prefill", args.prefill_tp, args, clock, PORT)
     decode = _engine(net, "decode", args.decode_tp, args, clock, 0)
     for t in prefill.transports:
@@ -86,10 +169,10 @@ def run(args: argparse.Namespace) -> int:
     free_p, free_d = list(range(args.blocks)), list(range(args.blocks))
     reading: dict[str, tuple[KVTransferParams, list[int], set[int]]] = {}  # ranks yet to report
     sending: dict[str, tuple[list[int], set[int]]] = {}
-    started = done = bad_bytes = step = 0
+    started = done = failed = bad_bytes = step = 0
     while done < args.requests or sending:
         step += 1
-        clock[0] += 1_000_000
+        clock.step()
         n = rng.randint(1, 4)
         if len(reading) < 4 and started < args.requests and min(len(free_p), len(free_d)) >= n:
             started += 1
@@ -105,12 +188,17 @@ def run(args: argparse.Namespace) -> int:
             reading[f"d-{rid}"] = (params, d_blocks, set(range(decode.tp)))
         for rank, w in enumerate(decode.workers):
             _, recving = w.get_finished()
+            lost = {h.request_id for h in w.last.failed}
             for rid in recving:
                 params, d_blocks, ranks = reading[rid]
                 ranks.discard(rank)
                 remote = params.remote_block_ids
-                bad_bytes += sum(decode.transports[rank].block(lb) != _expected(rank, args, prefill, decode, lb, rb)
-                                 for lb, rb in zip(d_blocks, remote, strict=True))
+                if rid in lost:  # reported failed, with its blocks invalid: the scheduler recomputes it
+                    failed += 1
+                else:
+                    bad_bytes += sum(decode.transports[rank].block(lb) != _expected(rank, args, prefill, decode,
+                                                                                    lb, rb)
+                                     for lb, rb in zip(d_blocks, remote, strict=True))
                 if not ranks:
                     del reading[rid]
                     free_d.extend(d_blocks)
@@ -128,16 +216,17 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(f"demo: {done} requests moved from prefill (TP {prefill.tp}) to decode (TP {decode.tp})"
           f"{' with MLA' if args.mla else ''} over the simulated transport in {step} steps; "
-          f"blocks with wrong bytes: {bad_bytes}")
-    failures = 0
+          f"blocks with wrong bytes: {bad_bytes}"
+          + (f"; fault planted: {args.fault} on req-{args.fault_request}, failed reads: {failed}"
+             if args.fault else ""))
     for eng in (prefill, decode):
-        for rank, w in enumerate(eng.workers):
+        for w in eng.workers:
             w.shutdown()
-            records = w.core.log.records()
-            replay(records)
-            summary = summarize(records)
-            failures += len(summary.stuck) + len(summary.violations)
-            for line in render(summary, title=f"{eng.name} tp{rank} (replayed: no divergence)",
-                               timelines=0 if args.quiet else 2):
-                print(line)
-    return 0 if bad_bytes == 0 and failures == 0 else 1
+    logs = _logs((prefill, decode), args.log_dir)
+    code = print_replay(logs, timelines=0 if args.quiet else 2)
+    stuck = sum(len(summarize(log.records, timelines=False).stuck) for log in logs)
+    violations = sum(1 for log in logs for r in log.records if r.fault is not None)
+    if args.log_dir is not None:
+        print(f"demo: logs in {args.log_dir}; replay them with: pdfsm replay {args.log_dir}")
+    clean = code == 0 and bad_bytes == 0 and stuck == 0 and (violations == 0 or args.fault is not None)
+    return 0 if clean else 1

@@ -8,25 +8,48 @@ reads no clock and no randomness, so the same log always replays the same way.
 
 :func:`summarize` reads the records alone (no re-application): each machine's
 state at any sequence number, violations with their attribution, requests that
-never reached a terminal state, and per-request timelines.
+never reached a terminal state, and per-request timelines. :func:`visits` cuts a
+log into state visits (what the trace and the HTML report draw), and :func:`follow`
+joins one request's records across a prefill log and a decode log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdfsm import consumer, engine, producer
 from pdfsm.core import Core
 from pdfsm.errors import PdfsmError, ProtocolError
-from pdfsm.events import Started
+from pdfsm.events import ReadRequested, SendFailed, Started
 from pdfsm.log import EventLog, Record, Row
 
-__all__ = ["Divergence", "Step", "Summary", "machine_key", "replay", "summarize"]
+__all__ = [
+    "TERMINAL",
+    "Divergence",
+    "Followed",
+    "Step",
+    "Summary",
+    "Visit",
+    "event_detail",
+    "follow",
+    "machine_key",
+    "render",
+    "replay",
+    "summarize",
+    "visits",
+]
 
 TERMINAL = {"consumer": {"RELEASED"}, "producer": {"RELEASED", "EXPIRED", "DISCARDED"}, "engine": set()}
+_TABLES = {"consumer": consumer.TABLE, "producer": producer.TABLE, "engine": engine.TABLE}
+# A machine is created in its table's initial state; a record that leaves it there (an ignored or
+# rejected first event) did not make it enter anything, so no visit starts.
+_INITIAL = {name: table.initial.name for name, table in _TABLES.items()}
+_ENDS = {name: {s.name for s in table.terminal} for name, table in _TABLES.items()}
 
 
 class Divergence(PdfsmError):
@@ -48,6 +71,19 @@ class _Capture:
         pass
 
 
+class _Quiet:
+    """The rebuilt core's logger. Replay recomputes the past: the violations it meets again were
+    logged when they happened, and re-logging them as live errors would mislead a postmortem."""
+
+    def is_enabled_for(self, level: int) -> bool:
+        return False
+
+    def _drop(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    debug = info = warning = error = _drop
+
+
 def _differs(a: Record, b: Record) -> str:
     for name in ("seq", "event", "machine", "before", "state", "outcome", "reason", "fault", "cause"):
         if getattr(a, name) != getattr(b, name):
@@ -66,7 +102,7 @@ def replay(records: Iterable[Record], *, window: int = 1024) -> Core:
     if first is None or not isinstance(first.event, Started) or first.seq != 0:
         raise Divergence(0, first, None, "a log starts with the Started record at seq 0")
     capture = _Capture()
-    core = Core(first.event.config, EventLog(window=window, sink=capture), t_ns=first.event.t_ns)
+    core = Core(first.event.config, EventLog(window=window, sink=capture), t_ns=first.event.t_ns, logger=_Quiet())
     core.log.flush()
     pending: list[Record] = [Record.of(row) for row in capture.rows]
     capture.rows.clear()
@@ -101,6 +137,40 @@ def machine_key(rec: Record) -> Any:
     return getattr(ev, "request_id", None) if rec.machine != "core" else None
 
 
+# The fields that tell one event of a type from another (the keys are shown elsewhere).
+_DETAIL: dict[str, tuple[str, ...]] = {
+    "ReadRequested": ("remote_request_id", "engine_id", "remote_tp"),
+    "HandleDone": ("pp_rank", "tp_rank"),
+    "HandleFailed": ("pp_rank", "tp_rank", "why", "detail"),
+    "NotificationReceived": ("part", "of", "sender"),
+    "Heartbeat": ("extend_ns", "sender"),
+    "EngineReady": ("engine_id", "pp_rank"),
+    "EngineFailed": ("engine_id", "pp_rank", "error"),
+    "HandshakeDone": ("attempt",),
+    "HandshakeFailed": ("attempt", "error"),
+    "PeerAdded": ("attempt",),
+    "PeerDisconnected": ("detail",),
+    "SendFailed": ("engine_id", "tp_rank", "request_id", "error"),
+    "Quarantined": ("reason",),
+    "EngineQuarantined": ("reason",),
+    "StagedDropped": ("reason",),
+    "Collect": ("step",),
+    "BadMessage": ("channel", "sender", "error"),
+    "Dropped": ("count",),
+}
+
+
+def event_detail(ev: Any) -> str:
+    """A few ``name=value`` pairs that say which event of its type this is (which rank, which part)."""
+    out = []
+    for name in _DETAIL.get(type(ev).__name__, ()):
+        value = getattr(ev, name, None)
+        if value is None or value == "":
+            continue
+        out.append(f"{name}={getattr(value, 'value', value)}")
+    return " ".join(out)
+
+
 @dataclass(frozen=True)
 class Step:
     """One line of a timeline."""
@@ -114,6 +184,8 @@ class Step:
     outcome: str
     reason: str
     cause: int | None
+    fault: str | None = None
+    detail: str = ""
 
 
 @dataclass
@@ -166,24 +238,32 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
         if timelines:
             out.timelines.setdefault(key, []).append(Step(
                 rec.seq, t, rec.event.source, type(rec.event).__name__, rec.before, rec.state,
-                rec.outcome.name.lower(), rec.reason, rec.cause))
+                rec.outcome.name.lower(), rec.reason, rec.cause,
+                None if rec.fault is None else rec.fault.value, event_detail(rec.event)))
     return out
 
 
-def render(summary: Summary, *, title: str = "", timelines: int = 8) -> Iterator[str]:
-    """A readable report: machines per state, violations, stuck requests, a few timelines."""
+def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int = 20) -> Iterator[str]:
+    """A readable report: machines per state, violations, stuck requests, a few timelines.
+
+    At most ``limit`` violations and stuck requests are listed (the counts are always whole).
+    """
     span = (summary.last_t_ns - summary.first_t_ns) / 1e6
     yield f"{title or 'log'}: {summary.events} records up to seq {summary.last_seq}, {span:.1f} ms"
     for machine, counts in sorted(summary.per_state.items()):
         yield f"  {machine:9s} " + ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
     faults = summary.by_fault()
     yield f"  violations: {len(summary.violations)} (local {faults['local']}, remote {faults['remote']})"
-    for v in summary.violations[:20]:
+    for v in summary.violations[:limit]:
         outcome = "rejected" if v.outcome.name == "REJECTED" else "handled"
         yield (f"    seq {v.seq} [{v.fault.value if v.fault else '?'}] {v.machine} "
                f"{machine_key(v)!r}: {type(v.event).__name__} {outcome}: {v.reason}")
+    if len(summary.violations) > limit:
+        yield f"    ... {len(summary.violations) - limit} more"
     stuck = summary.stuck
-    yield f"  not terminal: {len(stuck)}" + "".join(f"\n    {m} {k!r} in {s}" for m, k, s in stuck[:20])
+    yield f"  not terminal: {len(stuck)}" + "".join(f"\n    {m} {k!r} in {s}" for m, k, s in stuck[:limit])
+    if len(stuck) > limit:
+        yield f"    ... {len(stuck) - limit} more"
     shown = 0
     for (machine, key), steps in summary.timelines.items():
         if machine == "engine" or shown >= timelines:
@@ -193,4 +273,113 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8) -> Iterator
         yield f"  {machine} {key!r}:"
         for st in steps:
             arrow = f"{st.before} -> {st.state}" if st.outcome == "applied" else f"{st.state} ({st.outcome})"
-            yield f"    +{(st.t_ns - t0) / 1e6:8.3f} ms  #{st.seq:<6d} {st.event:22s} {arrow}"
+            yield f"    +{(st.t_ns - t0) / 1e6:8.3f} ms  #{st.seq:<6d} {st.event:22s} {arrow:24s} {st.detail}".rstrip()
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One stay of one machine in one state: from the record that entered it to the one that left.
+
+    ``end_seq`` is None when the machine was still in the state at the end of the records
+    read (a terminal state, or a request stuck there). ``terminal`` is the table's notion:
+    engines are terminal only once EVICTED.
+    """
+
+    machine: str
+    key: Any
+    state: str
+    start_seq: int
+    start_t_ns: int
+    entered_by: str
+    end_seq: int | None = None
+    end_t_ns: int | None = None
+    left_by: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in _ENDS.get(self.machine, ())
+
+
+def visits(records: Iterable[Record], *, at: int | None = None) -> list[Visit]:
+    """Every state visit of every machine, in the order they started; self-loops stay one visit."""
+    out: list[Visit] = []
+    current: dict[tuple[str, Any], int] = {}  # machine -> index of its open visit in ``out``
+    for rec in records:
+        if at is not None and rec.seq > at:
+            break
+        if rec.machine == "core":
+            continue
+        key = (rec.machine, machine_key(rec))
+        i = current.get(key)
+        if i is None and rec.state == _INITIAL.get(rec.machine):
+            continue
+        if i is not None:
+            if out[i].state == rec.state:
+                continue
+            v = out[i]
+            out[i] = Visit(v.machine, v.key, v.state, v.start_seq, v.start_t_ns, v.entered_by,
+                           rec.seq, rec.event.t_ns, type(rec.event).__name__)
+        current[key] = len(out)
+        out.append(Visit(rec.machine, key[1], rec.state, rec.seq, rec.event.t_ns, type(rec.event).__name__))
+    return out
+
+
+@dataclass
+class Followed:
+    """One request's records across several logs, merged in time order.
+
+    ``producer_ids`` are the producer's ids the query resolved to; ``consumers`` the
+    (log, decode-local id) pairs that read them; ``entries`` (log name, record) pairs.
+    """
+
+    query: str
+    producer_ids: list[str] = field(default_factory=list)
+    consumers: list[tuple[str, str]] = field(default_factory=list)
+    producers: list[tuple[str, str]] = field(default_factory=list)
+    entries: list[tuple[str, Record]] = field(default_factory=list)
+
+
+def _producer_side(rec: Record) -> bool:
+    # A decode side's failed notification (SendFailed) names the producer's id, as notifications do.
+    return rec.machine == "producer" or isinstance(rec.event, SendFailed)
+
+
+def follow(logs: Sequence[tuple[str, Sequence[Record]]], request_id: str) -> Followed:
+    """Follow a request through prefill and decode logs, by either of its ids.
+
+    The decode side knows a request by its local id and names the producer's id in
+    ``ReadRequested.remote_request_id``; the prefill side knows only the producer's id.
+    A query that is some decode log's local id resolves to the producer ids it read;
+    otherwise it is taken as a producer id. Every decode request that read one of those
+    producer ids is included (one per decode TP rank, typically). Records are merged by
+    ``t_ns`` (each log's own order is kept; ties go to the log listed first), which is a
+    meaningful order across logs only when their clocks are comparable.
+    """
+    remote_of: dict[tuple[str, str], str] = {}
+    for name, records in logs:
+        for rec in records:
+            if rec.machine == "consumer" and isinstance(rec.event, ReadRequested):
+                remote_of.setdefault((name, rec.event.request_id), rec.event.remote_request_id)
+    direct = [k for k in remote_of if k[1] == request_id]
+    wanted_p = {remote_of[k] for k in direct} if direct else {request_id}
+    wanted_c = set(direct) | {k for k, remote in remote_of.items() if remote in wanted_p}
+    out = Followed(request_id, sorted(wanted_p), sorted(wanted_c))
+    streams: list[list[tuple[str, Record]]] = []
+    producers: set[tuple[str, str]] = set()
+    for name, records in logs:
+        mine: list[tuple[str, Record]] = []
+        for rec in records:
+            rid = getattr(rec.event, "request_id", None)
+            if not isinstance(rid, str):
+                continue
+            if _producer_side(rec):
+                if rid in wanted_p:
+                    mine.append((name, rec))
+                    if rec.machine == "producer":
+                        producers.add((name, rid))
+            elif (name, rid) in wanted_c:
+                mine.append((name, rec))
+        streams.append(mine)
+    out.producers = sorted(producers)
+    out.entries = list(heapq.merge(*streams, key=lambda e: e[1].event.t_ns))
+    return out

@@ -73,3 +73,17 @@ def tick(core: Core, t: int) -> None:
 def collect(core: Core, t: int = 0, step: int = 1) -> list[Any]:
     core.apply(ev(Collect, t, step=step))
     return core.take_commands()
+
+
+def run_cli(*argv: str) -> int:
+    """``pdfsm ...`` in-process. The CLI configures structlog for the process (stderr, its level);
+    the test-wide configuration is put back so later tests do not print into a closed capture."""
+    import structlog
+
+    from pdfsm.cli import main
+
+    saved = structlog.get_config()
+    try:
+        return main(list(argv))
+    finally:
+        structlog.configure(**saved)

@@ -1,0 +1,587 @@
+"""Reading durable logs back for a postmortem: ``pdfsm replay``, and the loading trace and report share.
+
+A *log* on the command line is a log directory, one segment file, or a directory
+whose subdirectories are logs (what ``pdfsm demo --log-dir`` leaves: one per
+worker). Each log is read whole (a torn tail is accepted and reported, and the file
+is left alone unless ``repair`` is asked), replayed with :func:`pdfsm.replay.replay`
+(every recorded outcome must come out again) and summarized. What went wrong with
+a log is its *status*, and each status has an exit code; the command exits with
+the first failing log's (docs/postmortem.md has the table):
+
+- ``ok`` (0): read and replayed; ``torn_tail`` (0): a crash artefact at the end,
+  reported, the records before it replayed;
+- ``divergence`` (3): replay recomputed something other than a record says;
+- ``corrupt`` (4): damage with good data after it (the file and offset are named);
+- ``unsupported`` (5): a newer format or schema; ``no_log`` (6): nothing there.
+
+Exit code 2 is a usage error (bad ``--at``, a request found in no log).
+``--json`` output is described in docs/replay-json.md (``"schema": 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+from pdfsm.events import CoreConfig, Started
+from pdfsm.filelog import Gap, LogError, LogReader, UnsupportedVersionError, segment_paths
+from pdfsm.log import EventLog, Record
+from pdfsm.replay import (
+    Divergence,
+    Followed,
+    Step,
+    Summary,
+    event_detail,
+    follow,
+    machine_key,
+    render,
+    replay,
+    summarize,
+    visits,
+)
+
+__all__ = [
+    "SCHEMA",
+    "Exit",
+    "LoadedLog",
+    "Progress",
+    "add_replay_arguments",
+    "expand",
+    "load",
+    "load_all",
+    "make_progress",
+    "print_replay",
+    "record_json",
+    "replay_command",
+    "to_json",
+    "verify",
+    "warn_unreadable",
+    "worker_log",
+]
+
+SCHEMA: Final = 1
+"""Version of the ``--json`` document; bumped on any change a reader could notice."""
+
+
+class Exit(enum.IntEnum):
+    """Exit codes of ``pdfsm replay`` (and of ``trace`` and ``report`` for unreadable logs)."""
+
+    OK = 0
+    USAGE = 2
+    DIVERGENCE = 3
+    CORRUPT = 4
+    UNSUPPORTED = 5
+    NO_LOG = 6
+
+
+_EXIT: Final = {"ok": Exit.OK, "torn_tail": Exit.OK, "divergence": Exit.DIVERGENCE, "corrupt": Exit.CORRUPT,
+                "unsupported": Exit.UNSUPPORTED, "no_log": Exit.NO_LOG}
+
+
+@dataclass
+class LoadedLog:
+    """One log read back: its records (the good prefix, whatever happened) and what went wrong."""
+
+    name: str
+    path: str
+    records: list[Record] = field(default_factory=list)
+    status: str = "ok"  # a key of _EXIT
+    error: str = ""
+    error_file: str | None = None
+    error_offset: int | None = None
+    divergence_seq: int | None = None
+    torn: dict[str, Any] | None = None  # file, offset, reason, repaired, backup, removed_bytes
+    gaps: list[Gap] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    replayed: bool = False
+
+    @property
+    def exit_code(self) -> Exit:
+        return _EXIT[self.status]
+
+    @property
+    def config(self) -> CoreConfig | None:
+        first = self.records[0].event if self.records else None
+        return first.config if isinstance(first, Started) else None
+
+
+# --- progress ---------------------------------------------------------------------------------------
+
+
+class Progress(Protocol):
+    """A progress display on stderr: one task at a time."""
+
+    def start(self, description: str, total: int | None) -> None: ...
+
+    def update(self, completed: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _NoProgress:
+    def start(self, description: str, total: int | None) -> None:
+        pass
+
+    def update(self, completed: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class _PlainProgress:
+    """A counter rewritten in place on stderr, at most every 0.2 s: the fallback without rich."""
+
+    def __init__(self) -> None:
+        self._desc, self._last, self._shown = "", 0.0, False
+        self._total: int | None = None
+
+    def start(self, description: str, total: int | None) -> None:
+        self._desc, self._total, self._last = description, total, 0.0
+
+    def update(self, completed: int) -> None:
+        now = time.monotonic()
+        if now - self._last >= 0.2:
+            self._last, self._shown = now, True
+            of = f"/{self._total}" if self._total else ""
+            sys.stderr.write(f"\r{self._desc}: {completed}{of}\x1b[K")
+            sys.stderr.flush()
+
+    def stop(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self._shown = False
+
+
+class _RichProgress:
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(console=Console(file=sys.stderr), transient=True)
+        self._task: Any = None
+
+    def start(self, description: str, total: int | None) -> None:
+        if self._task is None:
+            self._bar.start()
+        else:
+            self._bar.remove_task(self._task)
+        self._task = self._bar.add_task(description, total=total)
+
+    def update(self, completed: int) -> None:
+        self._bar.update(self._task, completed=completed)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._bar.stop()
+            self._task = None
+
+
+def make_progress(enabled: bool | None, *, json_mode: bool = False) -> Progress:
+    """``enabled`` None means: only when stdout and stderr are terminals and the output is not JSON."""
+    if enabled is None:
+        enabled = not json_mode and sys.stdout.isatty() and sys.stderr.isatty()
+    if not enabled:
+        return _NoProgress()
+    if not sys.stderr.isatty():  # asked for explicitly into a file or pipe: rich would draw nothing there
+        return _PlainProgress()
+    try:
+        return _RichProgress()
+    except ImportError:  # rich is a test dependency, not a runtime one
+        return _PlainProgress()
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+
+def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
+    """(name, path) per log. A directory without segments whose subdirectories hold logs stands
+    for those logs (sorted by name). A log is named after its directory (a segment file after the
+    directory it is in); a repeated name gets ``#2``, ``#3``..."""
+    found: list[tuple[str, Path]] = []
+    for arg in paths:
+        p = Path(arg)
+        subs = sorted(c for c in p.iterdir() if c.is_dir() and _has_segments(c)) \
+            if p.is_dir() and not _has_segments(p) else []
+        for log in subs or [p]:
+            name = log.parent.name if log.is_file() and log.name[:1].isdigit() else log.name
+            found.append((name or str(log), log))
+    out: list[tuple[str, Path]] = []
+    used: dict[str, int] = {}
+    for name, log in found:
+        used[name] = used.get(name, 0) + 1
+        out.append((name if used[name] == 1 else f"{name}#{used[name]}", log))
+    return out
+
+
+def _has_segments(p: Path) -> bool:
+    return p.is_dir() and bool(segment_paths(p))
+
+
+class _Reader(LogReader):
+    """A reader that reports how far into the files it is, for the progress bar."""
+
+    def __init__(self, path: Path, on_frame: Callable[[Path, int], None], **kw: Any) -> None:
+        super().__init__(path, **kw)
+        self._on_frame = on_frame
+
+    def frames(self) -> Iterator[tuple[Path, Any]]:
+        for path, fr in super().frames():
+            self._on_frame(path, fr.end)
+            yield path, fr
+
+
+def load(name: str, path: Path, *, repair: bool = False, progress: Progress | None = None) -> LoadedLog:
+    """Read one log whole. Never raises for a bad log: the problem is in the result's status."""
+    out = LoadedLog(name, str(path))
+    files = segment_paths(path) if path.exists() else []
+    if not files or not all(f.is_file() for f in files):
+        out.status, out.error = "no_log", f"{path}: no log segments here"
+        return out
+    bar = progress or _NoProgress()
+    sizes = {f: f.stat().st_size for f in files}
+    before = {f: sum(sizes[g] for g in files[:i]) for i, f in enumerate(files)}
+    bar.start(f"reading {name}", sum(sizes.values()))
+    reader = _Reader(path, lambda f, end: bar.update(before.get(f, 0) + end),
+                     on_torn_tail="repair" if repair else "stop")
+    try:
+        for batch in reader.batches():
+            out.records += batch
+    except UnsupportedVersionError as e:
+        out.status, out.error, out.error_file, out.error_offset = "unsupported", str(e), e.path, e.offset
+    except LogError as e:  # CorruptLogError, or an intact frame over the reader's cap: unreadable past here
+        out.status, out.error, out.error_file, out.error_offset = "corrupt", str(e), e.path, e.offset
+    finally:
+        bar.stop()
+    out.gaps = list(reader.gaps)
+    if reader.headers:
+        out.meta = {k: v for k, v in reader.headers[0].meta.items() if isinstance(v, (str, int, float, bool))}
+    if reader.torn is not None and out.status == "ok":
+        t = reader.torn
+        out.status = "torn_tail"
+        out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason.removeprefix("torn tail: "),
+                    "repaired": False, "backup": None, "removed_bytes": None}
+        if reader.repairs:
+            rep = reader.repairs[-1]
+            out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
+    return out
+
+
+def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
+    """Replay a readable log's records; a difference (or a replay that cannot go on) is a divergence."""
+    if log.status not in ("ok", "torn_tail") or not log.records:
+        return log
+    bar = progress or _NoProgress()
+    bar.start(f"replaying {log.name}", len(log.records))
+    at = [0]
+
+    def counted(records: list[Record]) -> Iterator[Record]:
+        for i, rec in enumerate(records):
+            at[0] = rec.seq
+            if i & 4095 == 0:
+                bar.update(i)
+            yield rec
+
+    try:
+        replay(counted(log.records))
+        log.replayed = True
+    except Divergence as d:
+        log.status, log.error, log.divergence_seq = "divergence", str(d), d.seq
+    except Exception as e:  # noqa: BLE001 - a record the rebuilt core cannot even take is a divergence too
+        log.status, log.divergence_seq = "divergence", at[0]
+        log.error = f"divergence at seq {at[0]}: replay stopped: {type(e).__name__}: {e}"
+    finally:
+        bar.stop()
+    return log
+
+
+def load_all(paths: Iterable[str], *, repair: bool = False, check: bool = True,
+             progress: Progress | None = None) -> list[LoadedLog]:
+    """Every log named on a command line, read and (``check``) replayed."""
+    logs = [load(name, p, repair=repair, progress=progress) for name, p in expand(paths)]
+    return [verify(log, progress=progress) for log in logs] if check else logs
+
+
+def warn_unreadable(logs: Sequence[LoadedLog], tool: str = "pdfsm") -> int:
+    """Say on stderr which logs could not be read whole (trace and report draw what was read);
+    returns the first such log's exit code, 0 if none (a torn tail is only mentioned)."""
+    code = 0
+    for log in logs:
+        if log.status == "torn_tail" and log.torn is not None:
+            print(f"{tool}: {log.name}: torn tail at byte {log.torn['offset']} accepted (file left as it is)",
+                  file=sys.stderr)
+        elif log.status in ("corrupt", "unsupported", "no_log"):
+            using = "" if log.status == "no_log" else f"; drawing the {len(log.records)} records before the damage"
+            print(f"{tool}: {log.name}: {log.error} (exit {int(log.exit_code)}{using})", file=sys.stderr)
+            code = code or int(log.exit_code)
+    return code
+
+
+def worker_log(log_dir: str | os.PathLike[str], worker: str, **meta: Any) -> EventLog:
+    """An event log that writes to ``log_dir/worker`` (one directory per worker), for an engine
+    whose log a postmortem will read; ``meta`` goes into every segment header."""
+    from pdfsm.filesink import FileSink
+
+    return EventLog(sink=FileSink(Path(log_dir) / worker, metadata={"worker": worker, **meta}))
+
+
+# --- text ----------------------------------------------------------------------------------------------
+
+_HEADLINE: Final = {
+    "ok": "replayed, no divergence",
+    "torn_tail": "torn tail accepted; replayed, no divergence",
+    "divergence": "DIVERGENCE",
+    "corrupt": "CORRUPT, summary of the records before the damage",
+    "unsupported": "UNSUPPORTED VERSION",
+    "no_log": "NO LOG",
+}
+
+
+def _key(key: Any) -> str:
+    return repr(key)
+
+
+def _details(log: LoadedLog) -> Iterator[str]:
+    cfg = log.config
+    where = f"  path: {log.path}"
+    if cfg is not None:
+        where += f"; engine {cfg.engine_id}, tp_rank {cfg.tp_rank} of {cfg.tp_size}, pp_rank {cfg.pp_rank}"
+    yield where
+    if log.torn is not None:
+        t = log.torn
+        if t["repaired"]:
+            yield (f"  torn tail repaired: {t['file']} cut at byte {t['offset']} ({t['removed_bytes']} bytes "
+                   f"removed: {t['reason']}); the damaged file is kept as {t['backup']}")
+        else:
+            yield (f"  torn tail: {t['file']} at byte {t['offset']}: {t['reason']}; every record before it "
+                   "replayed; the file was left as it is (--repair cuts it there, keeping a copy)")
+    for g in log.gaps:
+        yield f"  gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost before reaching the file ({g.reason})"
+    if log.error:
+        lines = log.error.splitlines()
+        yield f"  error: {lines[0]}"
+        yield from (f"         {line.strip()}" for line in lines[1:])
+
+
+def _machines_at(log: LoadedLog, summary: Summary) -> Iterator[str]:
+    since = {(v.machine, v.key): v for v in visits(log.records, at=summary.last_seq)}
+    t0 = summary.first_t_ns
+    yield f"  machines at seq {summary.last_seq} (+{(summary.last_t_ns - t0) / 1e6:.3f} ms):"
+    for (machine, key), state in summary.states.items():
+        v = since.get((machine, key))
+        when = f"  since #{v.start_seq} (+{(v.start_t_ns - t0) / 1e6:.3f} ms, {v.entered_by})" if v else ""
+        yield f"    {machine:9s} {_key(key):28s} {state:12s}{when}"
+
+
+def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit: int, brief: bool) -> Iterator[str]:
+    title = f"{log.name}: {_HEADLINE[log.status]}"
+    if summary is None or brief:
+        n = len(log.records)
+        yield f"{title}: {n} records" + (f" up to seq {log.records[-1].seq}" if n else "")
+        yield from _details(log)
+        return
+    lines = list(render(summary, title=title, timelines=timelines, limit=limit))
+    yield lines[0]
+    yield from _details(log)
+    yield from lines[1:]
+
+
+def _follow_text(f: Followed) -> Iterator[str]:
+    cons = ", ".join(f"{rid} in {log}" for log, rid in f.consumers) or "none"
+    prods = ", ".join(f"{rid} in {log}" for log, rid in f.producers) or "none"
+    yield f"request {f.query}: producer {prods}; consumer {cons}"
+    if not f.entries:
+        return
+    t0 = f.entries[0][1].event.t_ns
+    width = max(len(log) for log, _ in f.entries)
+    for log, rec in f.entries:
+        applied = rec.outcome.name == "APPLIED"
+        arrow = f"{rec.before} -> {rec.state}" if applied else f"{rec.state} ({rec.outcome.name.lower()})"
+        key = machine_key(rec)
+        who = f"{rec.machine} {key if isinstance(key, str) else _key(key)}"
+        note = ""
+        if rec.fault is not None:
+            note = f"[{rec.fault.value} fault: {rec.reason}]"
+        elif rec.reason and not applied:
+            note = f"({rec.reason})"
+        tail = " ".join(x for x in (event_detail(rec.event), note) if x)
+        yield (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {log:{width}s} #{rec.seq:<6d} {who:20s} "
+               f"{type(rec.event).__name__:21s} {arrow:24s} {tail}").rstrip()
+
+
+# --- JSON ----------------------------------------------------------------------------------------------
+
+
+def _key_json(key: Any) -> Any:
+    return list(key) if isinstance(key, tuple) else key
+
+
+def record_json(rec: Record, log: str | None = None) -> dict[str, Any]:
+    """One record as the JSON document writes it (docs/replay-json.md, "record")."""
+    out: dict[str, Any] = {} if log is None else {"log": log}
+    out.update(seq=rec.seq, t_ns=rec.event.t_ns, source=rec.event.source, machine=rec.machine,
+               key=_key_json(machine_key(rec)), event=type(rec.event).__name__, before=rec.before,
+               state=rec.state, outcome=rec.outcome.name.lower(), reason=rec.reason,
+               fault=None if rec.fault is None else rec.fault.value, cause=rec.cause,
+               detail=event_detail(rec.event))
+    return out
+
+
+def _step_json(st: Step) -> dict[str, Any]:
+    return {"seq": st.seq, "t_ns": st.t_ns, "source": st.source, "event": st.event, "before": st.before,
+            "state": st.state, "outcome": st.outcome, "reason": st.reason, "fault": st.fault, "cause": st.cause,
+            "detail": st.detail}
+
+
+def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) -> dict[str, Any]:
+    cfg = log.config
+    shown = [(k, steps) for k, steps in summary.timelines.items() if k[0] != "engine"][:timelines]
+    machines = None
+    if at is not None:
+        since = {(v.machine, v.key): v.start_seq for v in visits(log.records, at=summary.last_seq)}
+        machines = [{"machine": m, "key": _key_json(k), "state": s, "since_seq": since.get((m, k))}
+                    for (m, k), s in summary.states.items()]
+    return {
+        "name": log.name,
+        "path": log.path,
+        "status": log.status,
+        "exit_code": int(log.exit_code),
+        "error": None if not log.error else {"message": log.error, "file": log.error_file,
+                                             "offset": log.error_offset, "seq": log.divergence_seq},
+        "torn_tail": log.torn,
+        "gaps": [{"first_seq": g.first_seq, "count": g.count, "reason": g.reason, "file": g.path,
+                  "offset": g.offset} for g in log.gaps],
+        "meta": log.meta,
+        "config": None if cfg is None else {"engine_id": cfg.engine_id, "tp_rank": cfg.tp_rank,
+                                            "tp_size": cfg.tp_size, "pp_rank": cfg.pp_rank, "pp_size": cfg.pp_size},
+        "records": len(log.records),
+        "at": at,
+        "last_seq": summary.last_seq,
+        "first_t_ns": summary.first_t_ns,
+        "last_t_ns": summary.last_t_ns,
+        "states": {m: dict(sorted(c.items())) for m, c in sorted(summary.per_state.items())},
+        "machines": machines,
+        "violations": [record_json(v) for v in summary.violations],
+        "violations_by_fault": {"local": summary.by_fault()["local"], "remote": summary.by_fault()["remote"]},
+        "stuck": [{"machine": m, "key": _key_json(k), "state": s} for m, k, s in summary.stuck],
+        "timelines": [{"machine": m, "key": _key_json(k), "steps": [_step_json(s) for s in steps]}
+                      for (m, k), steps in shown],
+    }
+
+
+def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequence[int | None],
+            followed: Followed | None, *, timelines: int, exit_code: int) -> dict[str, Any]:
+    """The whole ``--json`` document (schema 1, docs/replay-json.md)."""
+    request = None
+    if followed is not None:
+        request = {"query": followed.query, "producer_ids": followed.producer_ids,
+                   "consumers": [{"log": log, "request_id": rid} for log, rid in followed.consumers],
+                   "producers": [{"log": log, "request_id": rid} for log, rid in followed.producers],
+                   "entries": [record_json(rec, log) for log, rec in followed.entries]}
+    return {"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": exit_code,
+            "logs": [_log_json(log, s, at, timelines) for log, s, at in zip(logs, summaries, ats, strict=True)],
+            "request": request}
+
+
+# --- the command ------------------------------------------------------------------------------------------
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("logs", nargs="+", metavar="LOG",
+                   help="a log directory, a segment file, or a directory of worker logs (pdfsm demo --log-dir)")
+    p.add_argument("--at", action="append", default=[], metavar="SEQ|LOG:SEQ",
+                   help="each machine's state after record SEQ (of every log; LOG:SEQ for one log; repeatable)")
+    p.add_argument("--request", metavar="ID",
+                   help="one request's merged timeline across the logs (decode-local or producer id)")
+    p.add_argument("--timelines", type=int, default=8, metavar="N", help="per-request timelines to print (8)")
+    p.add_argument("--limit", type=int, default=20, metavar="N", help="violations and stuck requests listed (20)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout (docs/replay-json.md)")
+    p.add_argument("--repair", action="store_true",
+                   help="cut a torn tail off the file (a copy is kept); by default the file is left alone")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: when stdout and stderr are terminals, never with --json)")
+
+
+def _resolve_at(specs: Sequence[str], names: Sequence[str]) -> list[int | None] | str:
+    """Per log, the seq to stop at (None: the end), or an error message."""
+    default: int | None = None
+    per: dict[str, int] = {}
+    for spec in specs:
+        name, _, seq = spec.rpartition(":")
+        if not seq.isdigit():
+            return f"--at {spec!r}: expected SEQ or LOG:SEQ with SEQ a non-negative integer"
+        if not name:
+            default = int(seq)
+        elif name not in names:
+            return f"--at {spec!r}: no log named {name!r} (logs: {', '.join(names)})"
+        else:
+            per[name] = int(seq)
+    return [per.get(n, default) for n in names]
+
+
+def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] = print, timelines: int = 8,
+                 limit: int = 20, ats: Sequence[int | None] | None = None, request: str | None = None,
+                 as_json: bool = False) -> int:
+    """Print what ``pdfsm replay`` prints for logs already loaded (and verified); returns the exit code."""
+    ats = list(ats) if ats is not None else [None] * len(logs)
+    failing = [log for log in logs if log.exit_code != Exit.OK]
+    code = int(failing[0].exit_code) if failing else 0
+    summaries = [summarize(log.records, at=at) for log, at in zip(logs, ats, strict=True)]
+    followed = follow([(log.name, log.records) for log in logs], request) if request is not None else None
+    if followed is not None and not followed.entries and not code:
+        code = Exit.USAGE
+    if as_json:
+        doc = to_json(logs, summaries, ats, followed, timelines=timelines, exit_code=code)
+        out(json.dumps(doc, indent=2))
+        return code
+    for log, summary, at in zip(logs, summaries, ats, strict=True):
+        for line in _log_text(log, None if log.status == "no_log" else summary, timelines=timelines, limit=limit,
+                              brief=followed is not None):
+            out(line)
+        if at is not None and log.records:
+            if at > log.records[-1].seq:
+                out(f"  (--at {at}: the log ends at seq {log.records[-1].seq})")
+            for line in _machines_at(log, summary):
+                out(line)
+    if followed is not None:
+        for line in _follow_text(followed):
+            out(line)
+        if not followed.entries:
+            out(f"  request {request!r} is in none of the logs (as a decode-local id or a producer id)")
+    return code
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    """``pdfsm replay``: read, replay, summarize; the exit code says whether the logs hold up."""
+    if args.timelines < 0 or args.limit < 0:
+        print("pdfsm replay: --timelines and --limit must be >= 0", file=sys.stderr)
+        return Exit.USAGE
+    names = [name for name, _ in expand(args.logs)]
+    ats = _resolve_at(args.at, names)
+    if isinstance(ats, str):
+        print(f"pdfsm replay: {ats}", file=sys.stderr)
+        return Exit.USAGE
+    progress = make_progress(args.progress, json_mode=args.json)
+    logs = load_all(args.logs, repair=args.repair, progress=progress)
+    code = print_replay(logs, timelines=args.timelines, limit=args.limit, ats=ats, request=args.request,
+                        as_json=args.json)
+    for log in logs:
+        if log.status == "torn_tail":
+            print(f"pdfsm replay: {log.name}: torn tail at byte {log.torn and log.torn['offset']} "
+                  f"({'repaired' if log.torn and log.torn['repaired'] else 'file left as it is'}); exit 0",
+                  file=sys.stderr)
+        elif log.exit_code:
+            print(f"pdfsm replay: {log.name}: {log.error.splitlines()[0]} (exit {int(log.exit_code)})",
+                  file=sys.stderr)
+    if code == Exit.USAGE:
+        print(f"pdfsm replay: request {args.request!r} is in none of the logs", file=sys.stderr)
+    return code
