@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from pdfsm.connector import Connector, KVTransferParams
-from pdfsm.events import CoreConfig, HandshakeReply, NotificationReceived, Source
+from pdfsm.events import CoreConfig, HandshakeReply, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
 from pdfsm.wire import Notification
@@ -124,7 +124,7 @@ class Worker:
                    for _ in self.layers]
         name = f"{args.role}-pp{pp}-tp{tp}"
         self.log_dir = log_dir / name
-        from pdfsm.filesink import FileSink  # noqa: PLC0415 - kept beside its one use
+        from pdfsm.filesink import FileSink
 
         self.sink = FileSink(self.log_dir, metadata={"engine_id": args.engine_id, "worker": name})
         config = CoreConfig(engine_id=args.engine_id, tp_rank=tp, tp_size=args.tp, pp_rank=pp, pp_size=args.pp,
@@ -140,7 +140,8 @@ class Worker:
 
     def _drop_first_notification(self, rid: str) -> None:
         """Fault: the network loses the first notification for ``rid`` before it reaches the log."""
-        submit, dropped = self.conn.core.submit, []
+        submit = self.conn.core.submit
+        dropped: list[NotificationReceived] = []
 
         def lossy(ev: Any) -> None:
             if isinstance(ev, NotificationReceived) and ev.request_id == rid and not dropped:
@@ -153,7 +154,7 @@ class Worker:
 
 def _transport(args: argparse.Namespace, name: str, kv: list[torch.Tensor], pp: int, tp: int,
                layers: list[int]) -> Any:
-    from transports.nixl import NixlTransport  # noqa: PLC0415 - imports torch and NIXL: only here
+    from transports.nixl import NixlTransport
 
     kwargs: dict[str, Any] = {"pp_rank": pp, "tp_rank": tp, "supports_pp": not args.no_pp}
     if args.pp > 1 or args.remote_pp > 1:
@@ -162,7 +163,7 @@ def _transport(args: argparse.Namespace, name: str, kv: list[torch.Tensor], pp: 
 
 
 def _handshaker(args: argparse.Namespace) -> Any:
-    from pdfsm.sidechannel import SideChannelHandshaker  # noqa: PLC0415
+    from pdfsm.sidechannel import SideChannelHandshaker
 
     return SideChannelHandshaker(args.engine_id)
 
@@ -180,7 +181,7 @@ class Engine:
         self._outcomes: dict[str, list[tuple[str, str]]] = {}
         self.server = None
         if args.role == "prefill":
-            from pdfsm.sidechannel import SideChannelServer  # noqa: PLC0415
+            from pdfsm.sidechannel import SideChannelServer
 
             self.server = SideChannelServer(self._reply_for, host=args.host, port=args.port)
             self.server.start()
@@ -283,9 +284,13 @@ class Engine:
                     return False
         return True
 
+    def _live(self) -> bool:
+        """A request machine still open: staged notifications wait out a lease, say."""
+        return any(w.conn.core.consumers or w.conn.core.producers for w in self.workers)
+
     def finish(self, op: Finish) -> None:
         deadline = time.monotonic() + op.grace_s
-        while self.held and time.monotonic() < deadline:
+        while (self.held or self._live()) and time.monotonic() < deadline:
             self.step()
             time.sleep(0.001)
         local = remote = 0
@@ -335,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import logging  # noqa: PLC0415
+    import logging
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))

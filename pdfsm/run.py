@@ -45,6 +45,7 @@ from pdfsm.replay import render, replay, summarize
 __all__ = ["Outcome", "add_arguments", "run"]
 
 FAULTS = ("kill-prefill", "drop-notification", "forge-notification", "wrong-engine-id", "compat-hash")
+LEASE_FAULTS = frozenset({"drop-notification", "forge-notification", "wrong-engine-id", "compat-hash"})
 _decode_result = msgspec.json.Decoder(Result).decode
 _encode = msgspec.json.Encoder().encode
 
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", type=int, default=2)
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--prefill-pp", type=int, default=1)
-    p.add_argument("--mla", action="store_true", help="replicated latent KV: each consumer rank reads one producer rank")
+    p.add_argument("--mla", action="store_true", help="replicated latent KV: a consumer rank reads one producer rank")
     p.add_argument("--no-pp", action="store_true", help="the decode transport cannot serve pp_rank > 0")
     p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most")
     p.add_argument("--in-flight", type=int, default=8)
@@ -142,8 +143,9 @@ class Outcome:
 def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str]:
     faults = set(args.fault)
     prefill = role == "prefill"
-    lease = 3.0 if "drop-notification" in faults else args.lease_s
-    argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(args.prefill_tp if prefill else args.decode_tp),
+    lease = 3.0 if faults & LEASE_FAULTS else args.lease_s  # the run ends once the leases have
+    tp = args.prefill_tp if prefill else args.decode_tp
+    argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(tp),
             "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
             "--layers", "4", "--lease-s", str(lease), "--log-dir", str(log_dir)]
     if args.mla:
@@ -194,6 +196,7 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
     rng = random.Random(args.seed)
     faults = set(args.fault)
     started = done = 0
+    loaded: set[str] = set()
     in_flight: dict[str, float] = {}
     to_abort = args.abort
     deadline = time.monotonic() + args.timeout_s
@@ -212,6 +215,10 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
             if r.ev == "prefilled" and r.params is not None:
                 i = int(r.rid.split("-")[1])
                 decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i)))
+                loaded.add(f"d-{i}")
+                if "kill-prefill" in faults and not prefill.dead and done >= 2:
+                    prefill.kill()  # the decode side is about to read from it: mid-transfer
+                    releases_due = 0
                 if to_abort and i % 3 == 1:
                     to_abort -= 1
                     decode.send(Abort(rid=f"d-{i}"))
@@ -230,10 +237,10 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
                     out.latencies_ms.append((time.monotonic() - t0) * 1e3)
             elif r.ev == "error":
                 out.problems.append(f"decode: {r.rid}: {r.reason}")
-        if "kill-prefill" in faults and not prefill.dead and started >= args.requests // 2 and in_flight:
-            prefill.kill()  # mid-transfer: reads are in flight
-            releases_due = 0
-            started = args.requests  # nothing more can be prefilled
+        if prefill.dead and started < args.requests or set(in_flight) - loaded and prefill.dead:
+            for rid in set(in_flight) - loaded:  # prefilled on a dead engine: never handed on
+                del in_flight[rid]
+            started = done + len(in_flight)
         if "forge-notification" in faults and done == 2:
             decode.send(Forge())
             faults.discard("forge-notification")
@@ -297,7 +304,8 @@ def _report(args: argparse.Namespace, out: Outcome) -> None:
     for log in out.logs:
         records = read_log(log, on_torn_tail="stop")
         summary = summarize(records)
-        title = f"{log.name} (replayed{': DIVERGED' if any(log.name in d for d in out.divergent) else ', no divergence'})"
+        diverged = any(log.name in d for d in out.divergent)
+        title = f"{log.name} (replayed{': DIVERGED' if diverged else ', no divergence'})"
         for line in render(summary, title=title, timelines=0 if args.quiet else 1):
             print(line)
     print(f"logs: {out.logs[0].parent if out.logs else '-'}")
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    from pdfsm.cli import configure_logging  # noqa: PLC0415
+    from pdfsm.cli import configure_logging
 
     configure_logging("warning")
     out = run(args, show=not args.json)
