@@ -25,11 +25,12 @@ replicas), which would merge their ids. ``src`` is a rank *within the group*.
 
 **How.** Two collectives, both on every rank, whatever the arguments:
 
-1. an ``all_reduce(MAX)`` of three int64 values (the highest group rank whose id
-   was refused, plus one; ``src``; ``-src``), so every rank learns whether any
-   rank's id was refused or the ranks disagree on ``src``, and then *all* of
-   them raise :class:`~pdfsm.errors.InvalidInput`, none waiting in a collective
-   the others skipped;
+1. an ``all_reduce(MAX)`` of four int64 values (the highest group rank whose id
+   was refused, plus one; the same for ``src`` outside the group; ``src``;
+   ``-src``), so every rank learns whether any rank's id or ``src`` was refused
+   or the ranks disagree on ``src``, and then *all* of them raise
+   :class:`~pdfsm.errors.InvalidInput`, none waiting in a collective the others
+   skipped;
 2. a ``broadcast`` from ``src`` of a fixed-size ``uint8`` tensor: a big-endian
    u32 byte length, then the UTF-8 bytes, zero-padded to :data:`MAX_ID_BYTES`.
 
