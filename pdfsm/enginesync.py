@@ -1,0 +1,204 @@
+"""Engine-id sync: every worker of one engine answers handshakes with one engine id.
+
+A decode worker learns a prefill engine's id from the router (rank 0's
+``kv_transfer_params``) and refuses any handshake reply that names another id
+(:class:`~pdfsm.errors.EngineIdMismatch`). When each node of a multi-node TP
+engine draws its own random id, every handshake with a rank on another node than
+rank 0's fails that check (vLLM PR 39907; issue 27083 is the same check catching
+a reply from the wrong listener). The cure is to make the id one per engine, not
+one per node: before the transport starts, every rank adopts rank ``src``'s id.
+
+::
+
+    cfg = CoreConfig(engine_id=sync_engine_id(new_engine_id("prefill"), tp_group), ...)
+    # or, equivalently:
+    cfg = engine_config(group=tp_group, tp_rank=..., tp_size=..., compat_hash=...)
+
+**Which group.** The group must be exactly the workers of one engine: those whose
+metadata one handshake reply carries, i.e. the ranks that share one
+``(engine_id, pp_rank)`` key space. Pass the engine's TP group (the default
+advice: it is always one engine's); pass ``group=None`` (the default, i.e. world,
+group) when the world is a single engine, which is also what a PP engine whose
+stages sit on different nodes needs (every PP stage must report the same id, and
+a TP group holds one stage only). Never a group spanning several engines (DP
+replicas), which would merge their ids. ``src`` is a rank *within the group*.
+
+**How.** Two collectives, both on every rank, whatever the arguments:
+
+1. an ``all_reduce(MAX)`` of four int64 values (the highest group rank whose id
+   was refused, plus one; the same for ``src`` outside the group; ``src``;
+   ``-src``), so every rank learns whether any rank's id or ``src`` was refused
+   or the ranks disagree on ``src``, and then *all* of them raise
+   :class:`~pdfsm.errors.InvalidInput`, none waiting in a collective the others
+   skipped;
+2. a ``broadcast`` from ``src`` of a fixed-size ``uint8`` tensor: a big-endian
+   u32 byte length, then the UTF-8 bytes, zero-padded to :data:`MAX_ID_BYTES`.
+
+Object collectives (``broadcast_object_list`` and friends) are never used: they
+pickle, and nothing pdfsm receives is unpickled. torch is imported lazily, so
+``pdfsm`` itself does not need it.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from pdfsm.errors import InvalidInput, PdfsmError
+from pdfsm.events import CoreConfig
+from pdfsm.wire import MAX_ID_CHARS
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+__all__ = ["MAX_ID_BYTES", "engine_config", "new_engine_id", "sync_engine_id"]
+
+MAX_ID_BYTES: Final = 4 * MAX_ID_CHARS
+"""The payload of the broadcast: any id of at most ``MAX_ID_CHARS`` characters fits in UTF-8."""
+
+_LENGTH: Final = struct.Struct("!I")
+_BUFFER_BYTES: Final = _LENGTH.size + MAX_ID_BYTES
+
+_log = structlog.get_logger("pdfsm.enginesync")
+
+
+def new_engine_id(prefix: str = "engine") -> str:
+    """A fresh random engine id, ``"<prefix>-<32 hex digits>"`` (uuid4); only ``src``'s survives a sync."""
+    if not isinstance(prefix, str) or len(prefix) + 33 > MAX_ID_CHARS:
+        raise InvalidInput("prefix", f"must be a string of at most {MAX_ID_CHARS - 33} characters, got {prefix!r}")
+    hex_id = uuid.uuid4().hex
+    return f"{prefix}-{hex_id}" if prefix else hex_id
+
+
+def _encode(engine_id: object) -> bytes | str:
+    """The id's UTF-8 bytes, or why it is refused."""
+    if not isinstance(engine_id, str):
+        return f"must be a string, got {type(engine_id).__name__}"
+    if not 0 < len(engine_id) <= MAX_ID_CHARS:
+        return f"must be 1 to {MAX_ID_CHARS} characters, got {len(engine_id)}"
+    try:
+        return engine_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not encodable as UTF-8: {exc.reason} at index {exc.start}"
+
+
+def _pack(raw: bytes) -> bytes:
+    return _LENGTH.pack(len(raw)) + raw + bytes(MAX_ID_BYTES - len(raw))
+
+
+def _unpack(buffer: bytes) -> str:
+    (n,) = _LENGTH.unpack_from(buffer)
+    if not 0 < n <= MAX_ID_BYTES:
+        raise PdfsmError(f"engine-id broadcast carried a length of {n} bytes: the group's collectives are out of step")
+    return buffer[_LENGTH.size:_LENGTH.size + n].decode("utf-8")
+
+
+def _default_device(dist: Any, group: ProcessGroup | None) -> torch.device:
+    import torch
+
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def sync_engine_id(
+    engine_id: str,
+    group: ProcessGroup | None = None,
+    *,
+    src: int = 0,
+    device: str | torch.device | None = None,
+) -> str:
+    """Every rank of ``group`` adopts group rank ``src``'s engine id, which is returned on every rank.
+
+    Call it on every rank of the group, before the transport starts and before the
+    id is used anywhere (a ``CoreConfig``, a side-channel listener, the params a
+    router sees). ``group`` is the engine's TP group, or ``None`` for the default
+    (world) group when the world is one engine (module docstring). ``device`` is
+    where the small tensors live; by default the CPU for gloo (and MPI) groups, the
+    current CUDA device otherwise (NCCL). With vLLM, prefer a CPU group
+    (``get_tp_group().cpu_group``).
+
+    Raises :class:`~pdfsm.errors.InvalidInput` on *every* rank of the group, and
+    none adopts an id, when any rank's ``engine_id`` is not 1 to ``MAX_ID_CHARS``
+    characters of UTF-8-encodable text (a non-source rank's too: it is a
+    misconfiguration even though its id would be replaced), when any rank's ``src``
+    is not a rank of the group, or when the ranks name different ``src``: the
+    ranks agree on that in a first collective, so none is left waiting in the
+    broadcast. Only this rank raises, before any collective, when torch.distributed
+    is not initialized or this rank is not in ``group`` (it takes no part in the
+    group's collectives then). A rank that never calls it leaves the others waiting
+    until the group's timeout.
+    """
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("sync_engine_id needs torch with torch.distributed (pdfsm[torch])") from exc
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidInput("group", "torch.distributed is not initialized: call init_process_group first")
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    if me < 0:
+        raise InvalidInput("group", "this rank is not a member of the group")
+    dev = torch.device(device) if device is not None else _default_device(dist, group)
+
+    # 1. Agree, so that every rank raises or none does (no rank left waiting in step 2).
+    encoded = _encode(engine_id)
+    bad_src = isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size
+    s = 0 if bad_src else src
+    verdict = torch.tensor([me + 1 if isinstance(encoded, str) else 0, me + 1 if bad_src else 0, s, -s],
+                           dtype=torch.int64, device=dev)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    id_rank, src_rank, high, low = (int(v) for v in verdict.tolist())
+    if src_rank:
+        why = f"got {src!r}" if bad_src else f"group rank {src_rank - 1} named one outside it"
+        raise InvalidInput("src", f"must be a rank of the group, 0 to {size - 1}: {why}; no rank adopted an id")
+    if high != -low:
+        raise InvalidInput("src", f"the ranks of the group name different sources ({-low} to {high}); "
+                                  "no rank adopted an id")
+    if id_rank:
+        if isinstance(encoded, str):
+            raise InvalidInput("engine_id", f"{encoded} (group rank {me}); no rank adopted an id")
+        raise InvalidInput("engine_id", f"refused on group rank {id_rank - 1} (see its error); "
+                                        "no rank adopted an id")
+    assert isinstance(encoded, bytes)
+
+    # 2. Broadcast src's id: a fixed-size, length-prefixed UTF-8 byte tensor (never pickled).
+    payload = _pack(encoded) if me == src else bytes(_BUFFER_BYTES)
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    dist.broadcast(buffer, src=src if group is None else dist.get_global_rank(group, src), group=group)
+    adopted = _unpack(bytes(buffer.cpu().tolist()))
+    _log.info("engine id synced", engine_id=adopted, own=engine_id, group_rank=me, group_size=size, src=src)
+    return adopted
+
+
+def engine_config(
+    engine_id: str | None = None,
+    *,
+    group: ProcessGroup | None = None,
+    sync: bool = True,
+    src: int = 0,
+    device: str | torch.device | None = None,
+    **fields: Any,
+) -> CoreConfig:
+    """A :class:`~pdfsm.events.CoreConfig` whose engine id is one per engine.
+
+    ``engine_id`` defaults to :func:`new_engine_id`; with ``sync`` (the default) it
+    goes through :func:`sync_engine_id` over ``group`` first, so call this on every
+    rank of the group. ``fields`` are the other ``CoreConfig`` fields; the config is
+    built after the collectives, so a bad field on one rank cannot leave the
+    others waiting in them.
+    """
+    eid = new_engine_id() if engine_id is None else engine_id
+    if sync:
+        eid = sync_engine_id(eid, group, src=src, device=device)
+    elif isinstance(problem := _encode(eid), str):
+        raise InvalidInput("engine_id", problem)
+    try:
+        return CoreConfig(engine_id=eid, **fields)
+    except TypeError as exc:
+        raise InvalidInput("fields", str(exc)) from None
