@@ -237,7 +237,7 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
                     out.latencies_ms.append((time.monotonic() - t0) * 1e3)
             elif r.ev == "error":
                 out.problems.append(f"decode: {r.rid}: {r.reason}")
-        if prefill.dead and started < args.requests or set(in_flight) - loaded and prefill.dead:
+        if prefill.dead and (started < args.requests or set(in_flight) - loaded):
             for rid in set(in_flight) - loaded:  # prefilled on a dead engine: never handed on
                 del in_flight[rid]
             started = done + len(in_flight)
