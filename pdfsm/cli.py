@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +38,12 @@ def _diagram(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from pdfsm.run import run_command
+
+    return run_command(args)
+
+
+def _demo_sim(args: argparse.Namespace) -> int:
     from pdfsm.demo import run
 
     return run(args)
@@ -81,11 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", help="write to this file instead of stdout")
     d.set_defaults(func=_diagram)
 
-    from pdfsm.demo import add_arguments
+    from pdfsm import demo, run
 
-    demo = sub.add_parser("demo", help="run a prefill engine and a decode engine and replay their logs")
-    add_arguments(demo)
-    demo.set_defaults(func=_demo)
+    d = sub.add_parser("demo", help="a prefill and a decode engine in two processes over real NIXL, then "
+                       "the replay of their logs", description=run.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_arguments(d)
+    d.set_defaults(func=_demo)
+
+    d = sub.add_parser("demo-sim", help="the same hand-off in one process over the deterministic simulated "
+                       "transport, with planted faults for postmortems", description=demo.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(d)
+    d.set_defaults(func=_demo_sim)
 
     from pdfsm.postmortem import add_replay_arguments
 
@@ -112,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except BrokenPipeError:  # `pdfsm replay logs | head`: the reader left, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code
 
 

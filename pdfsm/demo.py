@@ -24,8 +24,7 @@ from pathlib import Path
 
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import CoreConfig, HandshakeReply
-from pdfsm.filelog import read_header, segment_paths
-from pdfsm.postmortem import LoadedLog, load_all, print_replay, verify, worker_log
+from pdfsm.postmortem import DEMO_WRITER, LoadedLog, clear_demo_logs, load_all, print_replay, verify, worker_log
 from pdfsm.replay import summarize
 from pdfsm.topology import Layout, read_plan
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
@@ -33,7 +32,6 @@ from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, 
 __all__ = ["add_arguments", "run"]
 
 HOST, PORT = "127.0.0.1", 7100
-WRITER = "pdfsm demo"  # in every segment header the demo writes: its logs may be replaced by a rerun
 FAULTS = ("read-error", "read-hang", "drop-notification", "duplicate-notification")
 
 
@@ -90,28 +88,12 @@ def _engine(net: SimNetwork, name: str, tp: int, args: argparse.Namespace, clock
         cfg = CoreConfig(engine_id=name, tp_rank=rank, tp_size=tp, mla=args.mla, compat_hash="demo-model-v1",
                          lease_ns=args.lease_ms * 1_000_000, read_timeout_ns=args.read_timeout_ms * 1_000_000,
                          lease_margin_ns=min(10_000_000, args.lease_ms * 100_000))
-        log = None if args.log_dir is None else worker_log(args.log_dir, worker, writer=WRITER, engine_id=name,
+        log = None if args.log_dir is None else worker_log(args.log_dir, worker, writer=DEMO_WRITER, engine_id=name,
                                                            tp_rank=rank, tp_size=tp, fault=args.fault or "")
         eng.transports.append(t)
         eng.workers.append(Connector(cfg, t, SimHandshaker(net), log=log, clock=clock, host=HOST,
                                      port=port))
     return eng
-
-
-def _clear_old_logs(log_dir: Path, workers: list[str]) -> str | None:
-    """Remove logs a previous demo run left in the workers' directories; refuse to touch any other log
-    (an engine's log always starts at seq 0, so it cannot be appended to)."""
-    for worker in workers:
-        d = log_dir / worker
-        if not d.is_dir() or not segment_paths(d):
-            continue
-        writer = read_header(segment_paths(d)[0]).meta.get("writer")
-        if writer != WRITER:
-            return f"{d} holds a log the demo did not write; choose another --log-dir"
-        for f in d.iterdir():
-            if f.is_file() and ".pdlog" in f.name:
-                f.unlink()
-    return None
 
 
 def _plant(net: SimNetwork, fault: str, n: int) -> None:
@@ -148,9 +130,7 @@ def _expected(d_rank: int, args: argparse.Namespace, prefill: _Engine, decode: _
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     if args.log_dir is not None:
-        workers = [f"{n}-tp{r}" for n, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp))
-                   for r in range(tp)]
-        refused = _clear_old_logs(Path(args.log_dir), workers)
+        refused = clear_demo_logs(Path(args.log_dir))
         if refused:
             print(f"demo: {refused}")
             return 2

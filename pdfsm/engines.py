@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.consumer import S
 from pdfsm.events import CoreConfig, HandshakeReply, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
@@ -125,8 +126,10 @@ class Worker:
         name = f"{args.role}-pp{pp}-tp{tp}"
         self.log_dir = log_dir / name
         from pdfsm.filesink import FileSink
+        from pdfsm.postmortem import DEMO_WRITER
 
-        self.sink = FileSink(self.log_dir, metadata={"engine_id": args.engine_id, "worker": name})
+        self.sink = FileSink(self.log_dir, metadata={"engine_id": args.engine_id, "worker": name,
+                                                     "writer": DEMO_WRITER})
         config = CoreConfig(engine_id=args.engine_id, tp_rank=tp, tp_size=args.tp, pp_rank=pp, pp_size=args.pp,
                             mla=args.mla, compat_hash=args.compat_hash, lease_ns=int(args.lease_s * 1e9),
                             read_timeout_ns=int(args.read_timeout_s * 1e9), policy=args.policy,
@@ -179,6 +182,7 @@ class Engine:
         self.free: deque[int] = deque(range(args.num_blocks))
         self.held: dict[str, tuple[list[int], int, set[int]]] = {}  # rid -> blocks, seed, ranks pending
         self._outcomes: dict[str, list[tuple[str, str]]] = {}
+        self.aborts: set[str] = set()
         self.server = None
         if args.role == "prefill":
             from pdfsm.sidechannel import SideChannelServer
@@ -228,8 +232,24 @@ class Engine:
             w.conn.load(op.rid, blocks, op.params)
 
     def abort(self, op: Abort) -> None:
-        for w in self.workers:
-            w.conn.abort(op.rid)
+        """Abort ``op.rid`` once its reads are posted, so the abort lands mid-read (see _abort_due)."""
+        self.aborts.add(op.rid)
+
+    def _abort_due(self) -> None:
+        """Apply each pending abort once a rank's machine reads (or has got past handshaking, or the
+        request is gone): an abort applied in READING is mid-read whatever the wire has done,
+        since the machine waits for every handle it has not seen stop."""
+        for rid in list(self.aborts):
+            if rid not in self.held:  # already reported: too late to abort
+                self.aborts.discard(rid)
+                continue
+            machines = [w.conn.core.consumers.get(rid) for w in self.workers]
+            reading = any(m is not None and m.state is S.READING for m in machines)
+            past = all(m is not None and m.state not in (S.NEW, S.HANDSHAKING) for m in machines)
+            if reading or past:
+                self.aborts.discard(rid)
+                for w in self.workers:
+                    w.conn.abort(rid)
 
     def forge(self) -> None:
         """A notification for a request the producer never had, sent like a real one."""
@@ -243,6 +263,8 @@ class Engine:
     # --- every step -------------------------------------------------------------------------------
 
     def step(self) -> None:
+        if self.aborts:
+            self._abort_due()
         for i, w in enumerate(self.workers):
             sending, recving = w.conn.get_finished()
             for rid in sending:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from pdfsm.events import CoreConfig, Started
-from pdfsm.filelog import Gap, LogError, LogReader, UnsupportedVersionError, segment_paths
+from pdfsm.filelog import Gap, LogError, LogReader, UnsupportedVersionError, read_header, segment_paths
 from pdfsm.log import EventLog, Record
 from pdfsm.replay import (
     Divergence,
@@ -324,6 +324,26 @@ def warn_unreadable(logs: Sequence[LoadedLog], tool: str = "pdfsm") -> int:
             print(f"{tool}: {log.name}: {log.error} (exit {int(log.exit_code)}{using})", file=sys.stderr)
             code = code or int(log.exit_code)
     return code
+
+
+DEMO_WRITER: Final = "pdfsm demo"  # in every segment header the demos write: a rerun may replace those logs
+
+
+def clear_demo_logs(log_dir: Path) -> str | None:
+    """Remove the logs an earlier demo run left under ``log_dir``, so a rerun into the same directory
+    replays only itself; returns why not when a log there was not a demo's (it is left alone: an
+    engine's log starts at seq 0 and cannot be appended to, nor may a demo delete someone's log)."""
+    dirs = [d for d in sorted(log_dir.iterdir()) if d.is_dir() and segment_paths(d)] if log_dir.is_dir() else []
+    for d in dirs:
+        if read_header(segment_paths(d)[0]).meta.get("writer") != DEMO_WRITER:
+            return f"{d} holds a log the demo did not write; choose another --log-dir"
+    for d in dirs:
+        for f in d.iterdir():
+            if f.is_file() and ".pdlog" in f.name:
+                f.unlink()
+        if not any(d.iterdir()):
+            d.rmdir()  # the next run may have other workers: no empty log left to confuse a replay
+    return None
 
 
 def worker_log(log_dir: str | os.PathLike[str], worker: str, **meta: Any) -> EventLog:

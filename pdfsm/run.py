@@ -40,9 +40,10 @@ import msgspec
 
 from pdfsm.engines import MARK, Abort, Finish, Forge, Load, Prefill, Result
 from pdfsm.filelog import read_log
+from pdfsm.postmortem import clear_demo_logs
 from pdfsm.replay import render, replay, summarize
 
-__all__ = ["Outcome", "add_arguments", "run"]
+__all__ = ["Outcome", "add_arguments", "main", "run", "run_command"]
 
 FAULTS = ("kill-prefill", "drop-notification", "forge-notification", "wrong-engine-id", "compat-hash")
 LEASE_FAULTS = frozenset({"drop-notification", "forge-notification", "wrong-engine-id", "compat-hash"})
@@ -66,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--log-dir", help="each worker's event log goes in a subdirectory here")
     p.add_argument("--quiet", action="store_true", help="no per-request timelines at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the replay")
 
 
 class Engine:
@@ -130,6 +132,7 @@ class Outcome:
     requests: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     bad_bytes: int = 0
+    reasons: dict[str, str] = field(default_factory=dict)  # why each failed request failed
     released: int = 0
     expired: int = 0
     latencies_ms: list[float] = field(default_factory=list)
@@ -166,6 +169,12 @@ def run(args: argparse.Namespace, *, show: bool = True) -> Outcome:
     """Run the two engines; returns what happened (``show`` prints progress and the replay)."""
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdfsm-demo-"))
     out = Outcome()
+    refused = clear_demo_logs(log_dir)
+    if refused:
+        out.problems.append(refused)
+        if show:
+            print(f"pdfsm demo: {refused}")
+        return out
     start = time.monotonic()
     prefill = Engine("prefill", _engine_args(args, "prefill", log_dir))
     decode = Engine("decode", _engine_args(args, "decode", log_dir))
@@ -206,7 +215,9 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
         if time.monotonic() > deadline:
             out.problems.append(f"timed out after {args.timeout_s:.0f} s with {len(in_flight)} requests in flight")
             return
-        while started < args.requests and len(in_flight) < args.in_flight and not prefill.dead:
+        # Until the kill, one request at a time: the kill then lands on a read that is in flight.
+        window = 1 if "kill-prefill" in faults and not prefill.dead else args.in_flight
+        while started < args.requests and len(in_flight) < window and not prefill.dead:
             i = started
             started += 1
             in_flight[f"d-{i}"] = time.monotonic()
@@ -214,10 +225,14 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
         for r in _drain(prefill):
             if r.ev == "prefilled" and r.params is not None:
                 i = int(r.rid.split("-")[1])
+                kill = "kill-prefill" in faults and not prefill.dead and done >= 2
+                if kill:  # frozen first, so it cannot finish serving the read we are about to start
+                    prefill.proc.send_signal(signal.SIGSTOP)
                 decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i)))
                 loaded.add(f"d-{i}")
-                if "kill-prefill" in faults and not prefill.dead and done >= 2:
-                    prefill.kill()  # the decode side is about to read from it: mid-transfer
+                if kill:
+                    time.sleep(0.3)  # the decode side posts its reads against the frozen producer
+                    prefill.kill()
                     releases_due = 0
                 if to_abort and i % 3 == 1:
                     to_abort -= 1
@@ -232,6 +247,8 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
                 done += 1
                 out.outcomes[r.outcome] += 1
                 out.bad_bytes += r.outcome == "received" and not r.verified
+                if r.reason:
+                    out.reasons[r.rid] = r.reason
                 t0 = in_flight.pop(r.rid, None)
                 if t0 is not None:
                     out.latencies_ms.append((time.monotonic() - t0) * 1e3)
@@ -241,7 +258,7 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
             for rid in set(in_flight) - loaded:  # prefilled on a dead engine: never handed on
                 del in_flight[rid]
             started = done + len(in_flight)
-        if "forge-notification" in faults and done == 2:
+        if "forge-notification" in faults and done >= 2:
             decode.send(Forge())
             faults.discard("forge-notification")
         if show and time.monotonic() - last_show > 0.5:
@@ -313,20 +330,20 @@ def _report(args: argparse.Namespace, out: Outcome) -> None:
                         else "PROBLEMS:\n  " + "\n  ".join(out.problems)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdfsm demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    from pdfsm.cli import configure_logging
-
-    configure_logging("warning")
+def run_command(args: argparse.Namespace) -> int:
+    """``pdfsm demo``: exit 0 when every request ended in a defined state and nothing leaked."""
     out = run(args, show=not args.json)
     if args.json:
         print(json.dumps({"requests": out.requests, "outcomes": dict(out.outcomes), "bad_bytes": out.bad_bytes,
                           "problems": out.problems, "seconds": round(out.seconds, 2)}))
     return 0 if not out.problems else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdfsm.run`` is ``pdfsm demo``."""
+    from pdfsm.cli import main as cli
+
+    return cli(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

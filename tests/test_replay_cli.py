@@ -27,7 +27,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("clean")
-    assert run_cli("demo", "--requests", "8", "--log-dir", str(d), "--quiet") == 0
+    assert run_cli("demo-sim", "--requests", "8", "--log-dir", str(d), "--quiet") == 0
     return d
 
 
@@ -35,7 +35,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def faulty(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo with req-3's notification to prefill rank 0 dropped: that rank's lease expires."""
     d = tmp_path_factory.mktemp("faulty")
-    assert run_cli("demo", "--requests", "6", "--log-dir", str(d), "--quiet", "--fault", "drop-notification") == 0
+    assert run_cli("demo-sim", "--requests", "6", "--log-dir", str(d), "--quiet", "--fault", "drop-notification") == 0
     return d
 
 

@@ -18,7 +18,7 @@ from pdfsm.report import STATE_COLOURS, TIMELINE_BG
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("report")
-    assert run_cli("demo", "--requests", "6", "--log-dir", str(d / "logs"), "--quiet", "--fault",
+    assert run_cli("demo-sim", "--requests", "6", "--log-dir", str(d / "logs"), "--quiet", "--fault",
                  "drop-notification") == 0
     assert run_cli("report", str(d / "logs"), "-o", str(d / "report.html")) == 0
     return d / "report.html"

@@ -90,7 +90,8 @@ def test_one_slice_per_state_visit_on_the_machine_tracks() -> None:
 
 def test_the_cli_writes_a_trace_of_the_demo_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logs = tmp_path / "logs"
-    assert run_cli("demo", "--requests", "4", "--log-dir", str(logs), "--quiet", "--fault", "drop-notification") == 0
+    assert run_cli("demo-sim", "--requests", "4", "--log-dir", str(logs), "--quiet",
+                   "--fault", "drop-notification") == 0
     out = tmp_path / "trace.json"
     assert run_cli("trace", str(logs), "-o", str(out)) == 0
     doc = json.loads(out.read_text())

@@ -1,0 +1,107 @@
+"""The main job for real: a prefill and a decode engine in two OS processes over NIXL (UCX, host
+memory), each worker writing its durable log, every log replayed at the end (pdfsm.run).
+
+Every run checks, through :func:`pdfsm.run.run`: each request reached the decode scheduler
+exactly once in a defined state, every received block holds the producer's bytes, both
+block pools are whole again (blocks released exactly once: a double release would overfill
+the pool, a leak leave it short), no illegal event was blamed on the local side, and every
+log replays without divergence. The tests add what each case must show on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pdfsm import run as demo
+from pdfsm.events import AbortRequested
+from pdfsm.filelog import read_log
+from pdfsm.replay import replay
+from transports.nixl import nixl_available
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.slow,
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+
+def run(tmp_path: Path, *argv: str, requests: int = 6) -> demo.Outcome:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--requests", str(requests), "--log-dir", str(tmp_path), "--timeout-s", "90", *argv])
+    out = demo.run(args, show=False)
+    assert not out.problems, out.problems
+    assert out.bad_bytes == 0
+    return out
+
+
+def test_tp2_into_tp1_with_two_aborts_landing_mid_read(tmp_path: Path) -> None:
+    """Each consumer rank reads half of each block from both producer ranks; the aborted requests'
+    machines were READING when the abort landed, and their producers still release at once by
+    notification, not by lease."""
+    out = run(tmp_path, "--prefill-tp", "2", "--decode-tp", "1", "--abort", "2")
+    assert out.outcomes == {"received": 4, "aborted": 2}
+    assert out.released == 6 and out.expired == 0
+    records = read_log(tmp_path / "decode-pp0-tp0")
+    aborted = [r for r in records if isinstance(r.event, AbortRequested)]
+    assert len(aborted) == 2 and all(r.before == "READING" and r.state == "ABORTING" for r in aborted)
+    assert {p.name for p in out.logs} == {"prefill-pp0-tp0", "prefill-pp0-tp1", "decode-pp0-tp0"}
+
+
+def test_tp1_into_tp2(tmp_path: Path) -> None:
+    """Both consumer ranks read their heads out of the one producer rank's blocks; the producer
+    releases only when both have notified."""
+    out = run(tmp_path, "--prefill-tp", "1", "--decode-tp", "2")
+    assert out.outcomes == {"received": 6} and out.released == 6
+    assert out.accounting["prefill"].remote_violations == 0
+
+
+def test_mla_reads_one_producer_rank_and_notifies_the_other(tmp_path: Path) -> None:
+    out = run(tmp_path, "--prefill-tp", "2", "--decode-tp", "1", "--mla")
+    assert out.outcomes == {"received": 6} and out.released == 6 and out.expired == 0
+
+
+def test_a_producer_killed_mid_transfer(tmp_path: Path) -> None:
+    """SIGSTOP, reads posted against it, SIGKILL: the in-flight request fails with the recompute
+    policy (its blocks reported invalid to the scheduler), the decode pool is whole, and the
+    decode log replays."""
+    out = run(tmp_path, "--fault", "kill-prefill")
+    assert out.outcomes["received"] >= 2 and out.outcomes["failed"] >= 1
+    assert set(out.outcomes) <= {"received", "failed"}
+    assert "prefill" not in out.accounting  # it was killed: no accounting, its logs end where it died
+    failed = [rid for rid, reason in out.reasons.items() if "disconnect" in reason.lower()]
+    assert failed, out.reasons
+
+
+def test_a_lost_notification_releases_by_lease(tmp_path: Path) -> None:
+    out = run(tmp_path, "--fault", "drop-notification")
+    assert out.outcomes == {"received": 6}
+    assert out.expired == 1 and out.released == 5
+
+
+def test_a_forged_notification_is_a_remote_violation(tmp_path: Path) -> None:
+    out = run(tmp_path, "--fault", "forge-notification")
+    assert out.outcomes == {"received": 6} and out.released == 6
+    assert out.accounting["prefill"].remote_violations >= 1
+    assert out.accounting["prefill"].local_violations == 0
+
+
+@pytest.mark.parametrize(("fault", "why"), [("wrong-engine-id", "engine id"), ("compat-hash", "compat")])
+def test_a_refused_handshake_fails_every_request_and_the_producer_leases_run_out(
+        tmp_path: Path, fault: str, why: str) -> None:
+    out = run(tmp_path, "--fault", fault, requests=4)
+    assert out.outcomes == {"failed": 4}
+    assert all(why in reason for reason in out.reasons.values()), out.reasons
+    assert out.expired == 4 and out.released == 0
+
+
+def test_every_log_replays_again_from_disk(tmp_path: Path) -> None:
+    """What the demo left is what `pdfsm replay` reads: each worker's log replays on its own."""
+    run(tmp_path, "--prefill-tp", "2", "--decode-tp", "2", requests=4)
+    logs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert len(logs) == 4
+    for log in logs:
+        replay(read_log(log))
