@@ -49,6 +49,12 @@ def _demo_sim(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from pdfsm.soak import soak_command
+
+    return soak_command(args)
+
+
 def _replay(args: argparse.Namespace) -> int:
     from pdfsm.postmortem import replay_command
 
@@ -101,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     d.set_defaults(func=_demo_sim)
+
+    from pdfsm import soak
+
+    d = sub.add_parser("soak", help="the demo's engines under steady load with random faults and a restarted "
+                       "prefill; checks nothing leaked", description=soak.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    soak.add_arguments(d)
+    d.set_defaults(func=_soak)
 
     from pdfsm.postmortem import add_replay_arguments
 

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,12 +33,12 @@ import torch
 
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.consumer import S
-from pdfsm.events import CoreConfig, HandshakeReply, NotificationReceived
+from pdfsm.events import CoreConfig, HandleDone, HandleFailed, HandleFailure, HandshakeReply, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
 from pdfsm.wire import Notification
 
-__all__ = ["Op", "Result", "main", "request_bytes"]
+__all__ = ["Abort", "Finish", "Forge", "Load", "Op", "Prefill", "Result", "Tamper", "main", "request_bytes"]
 
 MARK = "PDFSM "
 COMPAT = "pdfsm-demo-model-v1"
@@ -56,13 +55,30 @@ class Prefill(Op, kw_only=True):
 
 
 class Load(Op, kw_only=True):
+    """``age_s``: how long the router held the params; the producer's lease started that long ago."""
+
     rid: str
     params: KVTransferParams
     seed: int
+    age_s: float = 0.0
 
 
 class Abort(Op, kw_only=True):
+    """``stage``: ``now`` (as the op arrives), ``reading`` (once a rank's reads are posted, so it
+    lands mid-read)."""
+
     rid: str
+    stage: Literal["now", "reading"] = "reading"
+
+
+class Tamper(Op, kw_only=True):
+    """A fault on the wire for ``rid``, applied where the transport hands events to the log: the
+    first notification for it lost, delivered twice or ``delay_s`` late (prefill side), or its
+    first completed read reported failed (decode side)."""
+
+    rid: str
+    kind: Literal["drop-notification", "duplicate-notification", "delay-notification", "fail-read"]
+    delay_s: float = 0.0
 
 
 class Forge(Op, kw_only=True):
@@ -75,13 +91,13 @@ class Finish(Op, kw_only=True):
     grace_s: float = 30.0
 
 
-OpType = Prefill | Load | Abort | Forge | Finish
+OpType = Prefill | Load | Abort | Tamper | Forge | Finish
 
 
 class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Engine to parent."""
 
-    ev: Literal["ready", "prefilled", "released", "done", "accounting", "error"]
+    ev: Literal["ready", "prefilled", "released", "done", "accounting", "stats", "error"]
     rid: str = ""
     port: int = 0
     params: KVTransferParams | None = None
@@ -96,6 +112,9 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_violations: int = 0
     logs: list[str] = []
     t_ns: int = 0
+    rss: int = 0  # stats: resident bytes of the engine process
+    live: int = 0  # stats: requests holding blocks
+    early_frees: int = 0  # accounting: blocks freed while the transport still had a read into them
 
 
 _encode = msgspec.json.Encoder().encode
@@ -123,7 +142,7 @@ class Worker:
         self.heads = 1 if args.mla else args.heads // args.tp
         self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8)
                    for _ in self.layers]
-        name = f"{args.role}-pp{pp}-tp{tp}"
+        name = f"{args.engine_id}-pp{pp}-tp{tp}"  # a restarted engine has a new id: a new log
         self.log_dir = log_dir / name
         from pdfsm.filesink import FileSink
         from pdfsm.postmortem import DEMO_WRITER
@@ -138,21 +157,46 @@ class Worker:
         self.handshaker = _handshaker(args)
         self.conn = Connector(config, self.transport, self.handshaker, log=EventLog(sink=self.sink),
                               host=args.host, port=args.port)
+        self.tamper = _Tamper(self.conn.core.submit)
+        self.transport.bind(self.tamper, time.monotonic_ns)
         if args.drop_notification:
-            self._drop_first_notification(args.drop_notification)
+            self.tamper.plan(Tamper(rid=args.drop_notification, kind="drop-notification"))
 
-    def _drop_first_notification(self, rid: str) -> None:
-        """Fault: the network loses the first notification for ``rid`` before it reaches the log."""
-        submit = self.conn.core.submit
-        dropped: list[NotificationReceived] = []
 
-        def lossy(ev: Any) -> None:
-            if isinstance(ev, NotificationReceived) and ev.request_id == rid and not dropped:
-                dropped.append(ev)
-                return
-            submit(ev)
+class _Tamper:
+    """Between the transport and the log: applies planned faults to the events it reports. Called
+    on the owner thread (NixlTransport reports from ``progress``), so it needs no lock."""
 
-        self.transport.bind(lossy, time.monotonic_ns)
+    def __init__(self, submit: Any) -> None:
+        self.submit = submit
+        self.planned: dict[str, Tamper] = {}
+        self.delayed: list[tuple[int, Any]] = []
+
+    def plan(self, op: Tamper) -> None:
+        self.planned[op.rid] = op
+
+    def __call__(self, ev: Any) -> None:
+        op = self.planned.get(getattr(ev, "request_id", "")) if self.planned else None
+        if op is None or not isinstance(ev, HandleDone if op.kind == "fail-read" else NotificationReceived):
+            self.submit(ev)
+            return
+        del self.planned[op.rid]  # the first one only
+        if op.kind == "duplicate-notification":
+            self.submit(ev)
+            self.submit(ev)
+        elif op.kind == "delay-notification":
+            self.delayed.append((time.monotonic_ns() + int(op.delay_s * 1e9), ev))
+        elif isinstance(ev, HandleDone):
+            self.submit(HandleFailed(source=ev.source, t_ns=ev.t_ns, request_id=ev.request_id, pp_rank=ev.pp_rank,
+                                     tp_rank=ev.tp_rank, why=HandleFailure.ERR, detail="injected: read failed"))
+
+    def release_due(self) -> None:
+        now = time.monotonic_ns()
+        due = [ev for t, ev in self.delayed if t <= now]
+        if due:
+            self.delayed = [(t, ev) for t, ev in self.delayed if t > now]
+            for ev in due:
+                self.submit(msgspec.structs.replace(ev, t_ns=now))
 
 
 def _transport(args: argparse.Namespace, name: str, kv: list[torch.Tensor], pp: int, tp: int,
@@ -179,10 +223,13 @@ class Engine:
         self.args = args
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdfsm-logs-"))
         self.workers = [Worker(args, pp, tp, self.log_dir) for pp in range(args.pp) for tp in range(args.tp)]
-        self.free: deque[int] = deque(range(args.num_blocks))
+        # Last freed, first reused: a read of blocks after their release sees them overwritten.
+        self.free: list[int] = list(range(args.num_blocks))
         self.held: dict[str, tuple[list[int], int, set[int]]] = {}  # rid -> blocks, seed, ranks pending
         self._outcomes: dict[str, list[tuple[str, str]]] = {}
         self.aborts: set[str] = set()
+        self.early_frees = 0
+        self._next_stats = 0.0
         self.server = None
         if args.role == "prefill":
             from pdfsm.sidechannel import SideChannelServer
@@ -208,7 +255,7 @@ class Engine:
         if len(self.free) < op.blocks:
             emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
             return
-        blocks = [self.free.popleft() for _ in range(op.blocks)]
+        blocks = [self.free.pop() for _ in range(op.blocks)]
         a = self.args
         index = torch.tensor(blocks)
         params = None
@@ -226,14 +273,23 @@ class Engine:
         if len(self.free) < n:
             emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
             return
-        blocks = [self.free.popleft() for _ in range(n)]
+        blocks = [self.free.pop() for _ in range(n)]
         self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
+        lease_start = time.monotonic_ns() - int(op.age_s * 1e9)
         for w in self.workers:
-            w.conn.load(op.rid, blocks, op.params)
+            w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)
 
     def abort(self, op: Abort) -> None:
-        """Abort ``op.rid`` once its reads are posted, so the abort lands mid-read (see _abort_due)."""
-        self.aborts.add(op.rid)
+        """Abort ``op.rid`` now, or once its reads are posted so it lands mid-read (_abort_due)."""
+        if op.stage == "reading":
+            self.aborts.add(op.rid)
+            return
+        for w in self.workers:
+            w.conn.abort(op.rid)
+
+    def tamper(self, op: Tamper) -> None:
+        for w in self.workers:
+            w.tamper.plan(op)
 
     def _abort_due(self) -> None:
         """Apply each pending abort once a rank's machine reads (or has got past handshaking, or the
@@ -260,12 +316,30 @@ class Engine:
                 w.transport.send(key, 0, Notification("never-prefilled", 0, 1))
                 return
 
+    def apply(self, op: Op) -> None:
+        if isinstance(op, Prefill):
+            self.prefill(op)
+        elif isinstance(op, Load):
+            self.load(op)
+        elif isinstance(op, Abort):
+            self.abort(op)
+        elif isinstance(op, Tamper):
+            self.tamper(op)
+        elif isinstance(op, Forge):
+            self.forge()
+
     # --- every step -------------------------------------------------------------------------------
 
     def step(self) -> None:
         if self.aborts:
             self._abort_due()
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self._next_stats = now + 1.0
+            emit(Result(ev="stats", rss=_rss(), live=len(self.held), t_ns=time.monotonic_ns()))
         for i, w in enumerate(self.workers):
+            if w.tamper.delayed:
+                w.tamper.release_due()
             sending, recving = w.conn.get_finished()
             for rid in sending:
                 self._ranked(rid, i, w.conn.last.expired)
@@ -285,6 +359,8 @@ class Engine:
         if pending:
             return
         del self.held[rid]
+        for w in self.workers:
+            w.tamper.planned.pop(rid, None)  # a fault planned for an event that never came
         outcomes = self._outcomes.pop(rid)
         if self.args.role == "prefill":
             emit(Result(ev="released", rid=rid, expired=rid in expired, t_ns=time.monotonic_ns()))
@@ -293,6 +369,9 @@ class Engine:
             verified = final[0] == "received" and self._verify(blocks, seed)
             emit(Result(ev="done", rid=rid, outcome=final[0], reason=final[1], verified=verified,
                         t_ns=time.monotonic_ns()))
+            # The transport's own books, not the machine's: a read still live here could write
+            # into these blocks after the next request got them.
+            self.early_frees += any(key[0] == rid for w in self.workers for key in w.transport.reads)
         self.free.extend(blocks)
 
     def _verify(self, blocks: list[int], seed: int) -> bool:
@@ -323,8 +402,13 @@ class Engine:
         if self.server is not None:
             self.server.close()
         emit(Result(ev="accounting", free=len(self.free), total=self.args.num_blocks, in_flight=len(self.held),
-                    local_violations=local, remote_violations=remote,
+                    local_violations=local, remote_violations=remote, early_frees=self.early_frees,
                     logs=[str(w.log_dir) for w in self.workers]))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _read_ops(out: queue.Queue[OpType | None]) -> None:
@@ -376,22 +460,19 @@ def main(argv: list[str] | None = None) -> int:
         except queue.Empty:
             engine.step()
             continue
+        while op is not None:  # every op already queued, then one step: a burst costs one step
+            if isinstance(op, Finish):
+                engine.finish(op)
+                return 0
+            engine.apply(op)
+            try:
+                op = ops.get_nowait()
+            except queue.Empty:
+                break
         if op is None:  # the parent closed our input: finish as if asked
             engine.finish(Finish())
             return 0
-        if isinstance(op, Prefill):
-            engine.prefill(op)
-        elif isinstance(op, Load):
-            engine.load(op)
-        elif isinstance(op, Abort):
-            engine.abort(op)
-        elif isinstance(op, Forge):
-            engine.forge()
-        elif isinstance(op, Finish):
-            engine.finish(op)
-            return 0
         engine.step()
-
 
 if __name__ == "__main__":
     sys.exit(main())

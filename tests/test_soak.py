@@ -1,0 +1,38 @@
+"""A short form of ``pdfsm soak --duration 600 --fault-rate 0.05``: the same machinery (two engine
+processes over real NIXL, every fault kind, a prefill killed and restarted under a new engine
+id), a denser fault rate so that every kind is hit in a few seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdfsm.cli import main
+from pdfsm.soak import KINDS
+from transports.nixl import nixl_available
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.slow,
+    pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed"),
+]
+
+
+def test_a_short_soak_leaks_nothing_and_every_violation_is_one_it_caused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["soak", "--duration", "16", "--rate", "20", "--fault-rate", "0.4", "--restart-s", "5",
+                 "--seed", "3", "--log-dir", str(tmp_path), "--json"])
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, d["problems"]
+    assert d["requests"] == 320 and d["not_terminal"] == 0
+    assert d["leaked_blocks"] == 0 and d["early_frees"] == 0 and d["bad_bytes"] == 0
+    assert d["unexpected_violations"] == 0 and d["violations"] > 0 and d["divergent"] is False
+    assert set(d["faults"]) == {"none", *KINDS}
+    assert d["restarts"] >= 1
+    assert sum(d["outcomes"].values()) == d["requests"]
+    assert d["outcomes"]["received"] > d["requests"] // 2
+    # every incarnation of the prefill engine left its own log, and each replays
+    logs = {p.name for p in tmp_path.iterdir()}
+    assert {"decode-pp0-tp0", "prefill-pp0-tp0", "prefill-pp0-tp1", "prefill-r1-pp0-tp0"} <= logs
