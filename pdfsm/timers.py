@@ -8,20 +8,28 @@ ever out of order in a scan and no early-stopping scan can skip a due entry (vLL
 
 from __future__ import annotations
 
+import bisect
 import heapq
 
 __all__ = ["Timers"]
 
 
 class Timers:
-    """Keyed deadlines, bucketed in slots of ``2**shift`` ns (16.8 ms by default)."""
+    """Keyed deadlines, bucketed in slots of ``2**shift`` ns (16.8 ms by default).
 
-    __slots__ = ("_order", "_shift", "_slots")
+    :meth:`earliest` must not cost a scan of a crowded slot every step (100k requests admitted
+    in one burst share one slot): the earliest slot is sorted once into ``_run`` and consumed
+    from its end, entries disarmed since being skipped as they surface (amortized O(1)).
+    """
+
+    __slots__ = ("_order", "_run", "_run_slot", "_shift", "_slots")
 
     def __init__(self, shift: int = 24) -> None:
         self._shift = shift
         self._slots: dict[int, dict[str, int]] = {}
         self._order: list[int] = []  # heap of slot numbers; may hold slots emptied since
+        self._run: list[tuple[int, str]] = []  # the slot ``_run_slot``'s entries, latest first
+        self._run_slot = -1
 
     def arm(self, key: str, deadline: int) -> None:
         slot = deadline >> self._shift
@@ -31,6 +39,8 @@ class Timers:
             heapq.heappush(self._order, slot)
         else:
             keys[key] = deadline
+        if slot == self._run_slot:
+            bisect.insort(self._run, (-deadline, key))
 
     def disarm(self, key: str, deadline: int) -> None:
         keys = self._slots.get(deadline >> self._shift)
@@ -53,21 +63,35 @@ class Timers:
                     break
             elif keys:
                 out.extend((d, k) for k, d in keys.items())
-            slots.pop(slot, None)
-            heapq.heappop(order)
+            self._drop_front()
         out.sort()
         return out
 
     def earliest(self) -> int | None:
         """The earliest armed deadline, or None."""
-        slots, order = self._slots, self._order
+        slots, order, run = self._slots, self._order, self._run
         while order:
-            keys = slots.get(order[0])
+            slot = order[0]
+            keys = slots.get(slot)
             if keys:
-                return min(keys.values())
-            slots.pop(order[0], None)
-            heapq.heappop(order)
+                if slot != self._run_slot or not run:
+                    self._run_slot = slot
+                    run[:] = sorted([(-d, k) for k, d in keys.items()])
+                while run:
+                    neg, key = run[-1]
+                    if keys.get(key) == -neg:
+                        return -neg
+                    run.pop()  # disarmed, or taken by ``due``, since the run was sorted
+                continue  # every entry of the run was stale: sort what the slot holds now
+            self._drop_front()
         return None
+
+    def _drop_front(self) -> None:
+        slot = heapq.heappop(self._order)
+        self._slots.pop(slot, None)
+        if slot == self._run_slot:
+            self._run_slot = -1
+            self._run.clear()
 
     def __len__(self) -> int:
         return sum(len(keys) for keys in self._slots.values())

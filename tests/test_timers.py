@@ -1,0 +1,57 @@
+"""The timer wheel against a dict model: any sequence of arm, disarm, due and earliest agrees."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdfsm.timers import Timers
+
+keys = st.sampled_from([f"r{i}" for i in range(8)])
+times = st.integers(0, 200)
+ops = st.lists(st.one_of(
+    st.tuples(st.just("arm"), keys, times),
+    st.tuples(st.just("disarm"), keys, times),
+    st.tuples(st.just("due"), st.just(""), times),
+    st.tuples(st.just("earliest"), st.just(""), st.just(0)),
+), max_size=60)
+
+
+@given(ops)
+def test_the_wheel_agrees_with_a_dict(sequence: list[tuple[str, str, int]]) -> None:
+    wheel, model = Timers(shift=4), {}  # 16 ns slots: many entries share a slot, many slots
+    now = 0
+    for op, key, t in sequence:
+        if op == "arm":
+            if key in model:  # the core disarms before it re-arms a key
+                wheel.disarm(key, model.pop(key))
+            deadline = now + t
+            wheel.arm(key, deadline)
+            model[key] = deadline
+        elif op == "disarm":
+            if key in model and t % 2:
+                wheel.disarm(key, model.pop(key))
+            else:
+                wheel.disarm(key, now + t)  # a stale deadline: nothing happens
+                if model.get(key) == now + t:
+                    del model[key]
+        elif op == "due":
+            now += t
+            ripe = sorted((d, k) for k, d in model.items() if d <= now)
+            assert wheel.due(now) == ripe
+            for _, k in ripe:
+                del model[k]
+        else:
+            assert wheel.earliest() == min(model.values(), default=None)
+        assert len(wheel) == len(model)
+
+
+def test_earliest_of_a_crowded_slot_is_not_a_scan_each_time() -> None:
+    """100k deadlines in one slot, taken earliest first: each earliest() is amortized O(1)."""
+    wheel = Timers()
+    for i in range(100_000):
+        wheel.arm(f"r{i}", 1_000 + i)
+    for i in range(100_000):
+        assert wheel.earliest() == 1_000 + i
+        wheel.disarm(f"r{i}", 1_000 + i)
+    assert wheel.earliest() is None
