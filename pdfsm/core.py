@@ -114,7 +114,7 @@ class Core:
         # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
         # OrderedDict's bookkeeping costs more than this on the hot path).
         self._remembered: Final[dict[int, dict[Any, State]]] = {CONSUMER: {}, PRODUCER: {}, ENGINE: {}}
-        self._remembered_order: Final[deque[tuple[dict[Any, State], Any]]] = deque()
+        self._remembered_order: Final[deque[tuple[int, dict[Any, State], Any]]] = deque()
         self._ready: dict[str, None] = {}
         self._staged: OrderedDict[str, None] = OrderedDict()
         self._commands: list[Command] = []
@@ -132,6 +132,7 @@ class Core:
         self._unsunk_append = self.log.unsunk.append
         self._sinking = self.log.sink is not None
         self._tombstones = config.tombstones
+        self._tombstone_ns = config.tombstone_ns or 2 * max(config.lease_ns, config.read_timeout_ns)
         self._last_t = t_ns
         self._logger = logger if logger is not None else structlog.get_logger("pdfsm")
         self.refresh_logging()
@@ -228,9 +229,11 @@ class Core:
                 if after in REMEMBERED:
                     remembered[key] = after
                     order = self._remembered_order
-                    order.append((remembered, key))
-                    if len(order) > self._tombstones:
-                        old, old_key = order.popleft()
+                    t = ev.t_ns
+                    order.append((t, remembered, key))
+                    # Bounded by count and by age, so memory is flat in a long run at any rate.
+                    while len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns:
+                        _, old, old_key = order.popleft()
                         old.pop(old_key, None)
             elif not stored:
                 machines[key] = m

@@ -115,6 +115,7 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     rss: int = 0  # stats: resident bytes of the engine process
     live: int = 0  # stats: requests holding blocks
     early_frees: int = 0  # accounting: blocks freed while the transport still had a read into them
+    sizes: dict[str, int] = {}  # stats: how many entries each per-request table holds, summed over workers
 
 
 _encode = msgspec.json.Encoder().encode
@@ -155,7 +156,7 @@ class Worker:
                             lease_margin_ns=int(args.lease_margin_s * 1e9))
         self.transport = _transport(args, f"{name}-{os.getpid()}", self.kv, pp, tp, self.layers)
         self.handshaker = _handshaker(args)
-        self.conn = Connector(config, self.transport, self.handshaker, log=EventLog(sink=self.sink),
+        self.conn = Connector(config, self.transport, self.handshaker, log=EventLog(sink=self.sink, window=4096),
                               host=args.host, port=args.port)
         self.tamper = _Tamper(self.conn.core.submit)
         self.transport.bind(self.tamper, time.monotonic_ns)
@@ -291,6 +292,18 @@ class Engine:
         for w in self.workers:
             w.tamper.plan(op)
 
+    def sizes(self) -> dict[str, int]:
+        """Entries in every table that grows with requests: all must stay bounded in a long run."""
+        out = {"held": len(self.held), "outcomes": len(self._outcomes), "aborts": len(self.aborts)}
+        for w in self.workers:
+            core = w.conn.core
+            for name, n in (("consumers", len(core.consumers)), ("producers", len(core.producers)),
+                            ("engines", len(core.engines)), ("tombstones", len(core._remembered_order)),
+                            ("log_window", len(core.log.window)), ("reads", len(w.transport.reads)),
+                            ("tampers", len(w.tamper.planned) + len(w.tamper.delayed))):
+                out[name] = out.get(name, 0) + n
+        return out
+
     def _abort_due(self) -> None:
         """Apply each pending abort once a rank's machine reads (or has got past handshaking, or the
         request is gone): an abort applied in READING is mid-read whatever the wire has done,
@@ -336,7 +349,7 @@ class Engine:
         now = time.monotonic()
         if now >= self._next_stats:
             self._next_stats = now + 1.0
-            emit(Result(ev="stats", rss=_rss(), live=len(self.held), t_ns=time.monotonic_ns()))
+            emit(Result(ev="stats", rss=_rss(), live=len(self.held), t_ns=time.monotonic_ns(), sizes=self.sizes()))
         for i, w in enumerate(self.workers):
             if w.tamper.delayed:
                 w.tamper.release_due()

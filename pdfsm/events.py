@@ -124,6 +124,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     max_staged: int = 4096
     handshake_retry_ns: int = 1_000_000_000
     tombstones: int = 65536
+    tombstone_ns: int = 0  # terminal states remembered this long at most; 0: twice the lease or read timeout
     strict: bool = False
 
 

@@ -91,6 +91,7 @@ class SoakResult:
     divergent: list[str] = field(default_factory=list)
     rss_growth: int = 0
     rss_samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    sizes: dict[str, dict[str, int]] = field(default_factory=dict)  # the last table sizes per engine
     problems: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -104,6 +105,9 @@ class SoakResult:
             "not_terminal": self.not_terminal, "violations": self.violations,
             "unexpected_violations": len(self.unexpected), "divergent": bool(self.divergent),
             "rss_growth_after_warmup": self.rss_growth, "seconds": round(self.seconds, 1),
+            "rss_mib": {eid: [round(s[0][1] / 2**20, 1), round(s[-1][1] / 2**20, 1)]
+                        for eid, s in self.rss_samples.items() if s},
+            "table_sizes": self.sizes,
             "problems": self.problems,
         }
 
@@ -241,6 +245,7 @@ class _Soak:
                     self._load(r)
             elif res.ev == "stats":
                 self.out.rss_samples.setdefault(self.engine_id, []).append((time.monotonic(), res.rss))
+                self.out.sizes[self.engine_id] = res.sizes
             elif res.ev == "error":
                 self.out.problems.append(f"prefill: {res.rid}: {res.reason}")
 
@@ -269,6 +274,7 @@ class _Soak:
                 self._terminal(r, res.outcome)
             elif res.ev == "stats":
                 self.out.rss_samples.setdefault("decode", []).append((time.monotonic(), res.rss))
+                self.out.sizes["decode"] = res.sizes
             elif res.ev == "error":
                 self.out.problems.append(f"decode: {res.rid}: {res.reason}")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from helpers import connected, ev, make_core, read
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdfsm.events import AbortRequested, Collect, HandleDone
 from pdfsm.timers import Timers
 
 keys = st.sampled_from([f"r{i}" for i in range(8)])
@@ -55,3 +57,19 @@ def test_earliest_of_a_crowded_slot_is_not_a_scan_each_time() -> None:
         assert wheel.earliest() == 1_000 + i
         wheel.disarm(f"r{i}", 1_000 + i)
     assert wheel.earliest() is None
+
+
+def test_terminal_states_are_forgotten_after_tombstone_ns() -> None:
+    """A released request's late news is classified while its tombstone lasts; after
+    ``tombstone_ns`` the key is forgotten (memory stays flat in a long run)."""
+    core = connected(make_core(tombstone_ns=1_000, read_timeout_ns=10**12))
+    core.apply(read("r1", t=0))
+    core.apply(ev(HandleDone, 0, request_id="r1", pp_rank=0, tp_rank=0))
+    core.apply(ev(Collect, 0, step=1))
+    core.apply(ev(AbortRequested, 500, request_id="r1"))
+    assert core.log.records()[-1].reason == "already released"
+    core.apply(read("r2", t=2_000))  # r2 finishing is what trims: r1's tombstone is 2 us old
+    core.apply(ev(HandleDone, 2_000, request_id="r2", pp_rank=0, tp_rank=0))
+    core.apply(ev(Collect, 2_000, step=2))
+    core.apply(ev(AbortRequested, 2_100, request_id="r1"))
+    assert core.log.records()[-1].reason == "no such request: nothing to abort"
