@@ -205,19 +205,17 @@ def step_cost(n: int, changes: int, steps: int) -> float:
     return statistics.median(samples)
 
 
-def memory_per_request(role: str, small: int, large: int) -> float:
-    """Bytes of Python memory per live request: the slope between ``small`` and ``large`` live."""
-    sizes = []
-    for n in (small, large):
-        gc.collect()
-        tracemalloc.start()
-        side = Side(role, n)
-        side.step(CHANGES)
-        gc.collect()
-        sizes.append(tracemalloc.get_traced_memory()[0])
-        tracemalloc.stop()
-        del side
-    return (sizes[1] - sizes[0]) / (large - small)
+def traced_memory(role: str, n: int) -> int:
+    """Python memory (tracemalloc) held by one side with ``n`` live requests, after a step."""
+    gc.collect()
+    tracemalloc.start()
+    side = Side(role, n)
+    side.step(CHANGES)
+    gc.collect()
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del side
+    return size
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -228,7 +226,12 @@ def measure(quick: bool) -> dict[str, Any]:
         one_pct = step_cost(n, max(1, n // 100), max(20, steps // 10))
         rows.append({"live": n, "step_us": fixed, "step_us_1pct": one_pct,
                      "us_per_change_1pct": one_pct / (2 * max(1, n // 100))})
-    mem = {role: memory_per_request(role, SIZES[0], SIZES[-1]) for role in ("decode", "prefill")}
+    for r in rows:
+        for role in ("decode", "prefill"):
+            r[f"mib_{role}"] = traced_memory(role, int(r["live"])) / 2**20
+    first, last = rows[0], rows[-1]
+    mem = {role: (last[f"mib_{role}"] - first[f"mib_{role}"]) * 2**20 / (last["live"] - first["live"])
+           for role in ("decode", "prefill")}
     by = {r["live"]: r for r in rows}
     return {
         "step_us_1k": round(by[1_000]["step_us"], 1),
@@ -257,10 +260,12 @@ def plot(result: dict[str, Any], path: str) -> None:
     a.set(xscale="log", xlabel="live requests per side", ylabel="µs per step (both sides)",
           title="scheduler step cost", ylim=(0, None))
     a.legend()
-    b.bar(["decode", "prefill"], [result["bytes_per_live_request_decode"],
-                                 result["bytes_per_live_request_prefill"]])
-    b.axhline(2048, color="red", linestyle=":", label="goal: 2048 B")
-    b.set(ylabel="bytes per live request", title="memory per live request (1k to 100k)")
+    for role, mark in (("decode", "o-"), ("prefill", "s-")):
+        b.plot(live, [r[f"mib_{role}"] for r in result["rows"]], mark,
+               label=f"{role}: {result[f'bytes_per_live_request_{role}']} B per live request")
+    b.plot(live, [n * 2048 / 2**20 for n in live], "r:", label="goal: 2048 B per live request")
+    b.set(xscale="log", yscale="log", xlabel="live requests per side", ylabel="MiB (tracemalloc)",
+          title="memory against live requests")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -280,9 +285,10 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     print(f"{'live per side':>14} {'step µs (' + str(CHANGES) + ' change)':>22} {'step µs (1% change)':>20} "
-          f"{'µs per change':>14}")
+          f"{'µs per change':>14} {'MiB decode':>11} {'MiB prefill':>12}")
     for r in result["rows"]:
-        print(f"{r['live']:>14,} {r['step_us']:>22.1f} {r['step_us_1pct']:>20.1f} {r['us_per_change_1pct']:>14.2f}")
+        print(f"{r['live']:>14,} {r['step_us']:>22.1f} {r['step_us_1pct']:>20.1f} {r['us_per_change_1pct']:>14.2f} "
+              f"{r['mib_decode']:>11.1f} {r['mib_prefill']:>12.1f}")
     print(f"growth 100k/1k: {result['growth_100k_over_1k']:.3f} (goal <= 1.5)")
     print(f"bytes per live request: decode {result['bytes_per_live_request_decode']}, prefill "
           f"{result['bytes_per_live_request_prefill']} (goal <= 2048)")
