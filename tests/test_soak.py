@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
-from pdfsm.cli import main
 from pdfsm.soak import KINDS
 from transports.nixl import nixl_available
 
@@ -22,8 +22,8 @@ pytestmark = [
 
 def test_a_short_soak_leaks_nothing_and_every_violation_is_one_it_caused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["soak", "--duration", "16", "--rate", "20", "--fault-rate", "0.4", "--restart-s", "5",
-                 "--seed", "3", "--log-dir", str(tmp_path), "--json"])
+    code = run_cli("soak", "--duration", "16", "--rate", "20", "--fault-rate", "0.4", "--restart-s", "5",
+                   "--seed", "3", "--log-dir", str(tmp_path), "--json")
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, d["problems"]
     assert d["requests"] == 320 and d["not_terminal"] == 0
