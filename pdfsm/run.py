@@ -261,16 +261,17 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
         if "forge-notification" in faults and done >= 2:
             decode.send(Forge())
             faults.discard("forge-notification")
-        if show and time.monotonic() - last_show > 0.5:
+        tty = sys.stdout.isatty()
+        if show and time.monotonic() - last_show > (0.5 if tty else 5.0):
             last_show = time.monotonic()
-            print(f"\r  requests {done}/{args.requests} done, {len(in_flight)} in flight, "
-                  f"{dict(out.outcomes)}, producer released {out.released} (+{out.expired} by lease)   ",
-                  end="", flush=True)
+            line = (f"  requests {done}/{args.requests} done, {len(in_flight)} in flight, {dict(out.outcomes)}, "
+                    f"producer released {out.released} (+{out.expired} by lease)")
+            print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
         if prefill.dead and done >= started:
             break
         time.sleep(0.002)
     out.requests = done
-    if show:
+    if show and sys.stdout.isatty():
         print()
 
 
