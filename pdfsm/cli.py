@@ -37,24 +37,6 @@ def _diagram(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from pdfsm.run import run_command
-
-    return run_command(args)
-
-
-def _demo_sim(args: argparse.Namespace) -> int:
-    from pdfsm.demo import run
-
-    return run(args)
-
-
-def _soak(args: argparse.Namespace) -> int:
-    from pdfsm.soak import soak_command
-
-    return soak_command(args)
-
-
 def _replay(args: argparse.Namespace) -> int:
     from pdfsm.postmortem import replay_command
 
@@ -94,27 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-o", "--output", help="write to this file instead of stdout")
     d.set_defaults(func=_diagram)
 
-    from pdfsm import demo, run
+    from pdfsm import demo, run, soak
 
-    d = sub.add_parser("demo", help="a prefill and a decode engine in two processes over real NIXL, then "
-                       "the replay of their logs", description=run.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_arguments(d)
-    d.set_defaults(func=_demo)
-
-    d = sub.add_parser("demo-sim", help="the same hand-off in one process over the deterministic simulated "
-                       "transport, with planted faults for postmortems", description=demo.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo.add_arguments(d)
-    d.set_defaults(func=_demo_sim)
-
-    from pdfsm import soak
-
-    d = sub.add_parser("soak", help="the demo's engines under steady load with random faults and a restarted "
-                       "prefill; checks nothing leaked", description=soak.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    soak.add_arguments(d)
-    d.set_defaults(func=_soak)
+    for name, module, func, summary in (
+        ("demo", run, run.run_command,
+         "a prefill and a decode engine in two processes over real NIXL, then the replay of their logs"),
+        ("demo-sim", demo, demo.run, "the same hand-off in one process over the deterministic simulated "
+         "transport, with planted faults for postmortems"),
+        ("soak", soak, soak.soak_command, "the demo's engines under steady load with random faults and a "
+         "restarted prefill; checks nothing leaked"),
+    ):
+        d = sub.add_parser(name, help=summary, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(d)
+        d.set_defaults(func=func)
 
     from pdfsm.postmortem import add_replay_arguments
 

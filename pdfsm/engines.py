@@ -25,97 +25,23 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import structlog
 import torch
 
-from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.connector import Connector
 from pdfsm.consumer import S
+from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Op, OpType, Prefill, Result, Tamper
 from pdfsm.events import CoreConfig, HandleDone, HandleFailed, HandleFailure, HandshakeReply, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
 from pdfsm.wire import Notification
 
-__all__ = ["Abort", "Finish", "Forge", "Load", "Op", "Prefill", "Result", "Tamper", "main", "request_bytes"]
+__all__ = ["Engine", "main", "request_bytes"]
 
-MARK = "PDFSM "
 COMPAT = "pdfsm-demo-model-v1"
-
-
-class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):
-    """Parent to engine."""
-
-
-class Prefill(Op, kw_only=True):
-    rid: str
-    blocks: int
-    seed: int
-
-
-class Load(Op, kw_only=True):
-    """``age_s``: how long the router held the params; the producer's lease started that long ago."""
-
-    rid: str
-    params: KVTransferParams
-    seed: int
-    age_s: float = 0.0
-
-
-class Abort(Op, kw_only=True):
-    """``stage``: ``now`` (as the op arrives), ``reading`` (once a rank's reads are posted, so it
-    lands mid-read)."""
-
-    rid: str
-    stage: Literal["now", "reading"] = "reading"
-
-
-class Tamper(Op, kw_only=True):
-    """A fault on the wire for ``rid``, applied where the transport hands events to the log: the
-    first notification for it lost, delivered twice or ``delay_s`` late (prefill side), or its
-    first completed read reported failed (decode side)."""
-
-    rid: str
-    kind: Literal["drop-notification", "duplicate-notification", "delay-notification", "fail-read"]
-    delay_s: float = 0.0
-
-
-class Forge(Op, kw_only=True):
-    """Send the producer a notification for a request it never had (a remote fault)."""
-
-
-class Finish(Op, kw_only=True):
-    """Drain what is in flight (up to ``grace_s``), flush the logs, report the accounting, exit."""
-
-    grace_s: float = 30.0
-
-
-OpType = Prefill | Load | Abort | Tamper | Forge | Finish
-
-
-class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Engine to parent."""
-
-    ev: Literal["ready", "prefilled", "released", "done", "accounting", "stats", "error"]
-    rid: str = ""
-    port: int = 0
-    params: KVTransferParams | None = None
-    outcome: str = ""
-    expired: bool = False
-    verified: bool = False
-    reason: str = ""
-    free: int = 0
-    total: int = 0
-    in_flight: int = 0
-    local_violations: int = 0
-    remote_violations: int = 0
-    logs: list[str] = []
-    t_ns: int = 0
-    rss: int = 0  # stats: resident bytes of the engine process
-    live: int = 0  # stats: requests holding blocks
-    early_frees: int = 0  # accounting: blocks freed while the transport still had a read into them
-    sizes: dict[str, int] = {}  # stats: how many entries each per-request table holds, summed over workers
 
 
 _encode = msgspec.json.Encoder().encode

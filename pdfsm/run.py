@@ -38,7 +38,7 @@ from typing import IO, Any
 
 import msgspec
 
-from pdfsm.engines import MARK, Abort, Finish, Forge, Load, Prefill, Result
+from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Prefill, Result
 from pdfsm.filelog import read_log
 from pdfsm.postmortem import clear_demo_logs
 from pdfsm.replay import render, replay, summarize

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pdfsm.connector import KVTransferParams
-from pdfsm.engines import Abort, Finish, Load, Prefill, Result, Tamper
+from pdfsm.engine_messages import Abort, Finish, Load, Prefill, Result, Tamper
 from pdfsm.filelog import read_log
 from pdfsm.fsm import Fault
 from pdfsm.log import Record

@@ -1,0 +1,92 @@
+"""The messages between the demo's orchestrators (pdfsm.run, pdfsm.soak) and an engine process
+(pdfsm.engines): operations as JSON lines on the engine's stdin, results as JSON lines on its
+stdout marked with :data:`MARK` (NIXL writes lines of its own there). Typed, size-checked by
+the line reader, never pickled; kept apart from the engine so the orchestrators and the CLI do
+not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from pdfsm.connector import KVTransferParams
+
+__all__ = ["MARK", "Abort", "Finish", "Forge", "Load", "Op", "OpType", "Prefill", "Result", "Tamper"]
+
+MARK = "PDFSM "
+
+
+class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):
+    """Parent to engine."""
+
+
+class Prefill(Op, kw_only=True):
+    rid: str
+    blocks: int
+    seed: int
+
+
+class Load(Op, kw_only=True):
+    """``age_s``: how long the router held the params; the producer's lease started that long ago."""
+
+    rid: str
+    params: KVTransferParams
+    seed: int
+    age_s: float = 0.0
+
+
+class Abort(Op, kw_only=True):
+    """``stage``: ``now`` (as the op arrives), ``reading`` (once a rank's reads are posted, so it
+    lands mid-read)."""
+
+    rid: str
+    stage: Literal["now", "reading"] = "reading"
+
+
+class Tamper(Op, kw_only=True):
+    """A fault on the wire for ``rid``, applied where the transport hands events to the log: the
+    first notification for it lost, delivered twice or ``delay_s`` late (prefill side), or its
+    first completed read reported failed (decode side)."""
+
+    rid: str
+    kind: Literal["drop-notification", "duplicate-notification", "delay-notification", "fail-read"]
+    delay_s: float = 0.0
+
+
+class Forge(Op, kw_only=True):
+    """Send the producer a notification for a request it never had (a remote fault)."""
+
+
+class Finish(Op, kw_only=True):
+    """Drain what is in flight (up to ``grace_s``), flush the logs, report the accounting, exit."""
+
+    grace_s: float = 30.0
+
+
+OpType = Prefill | Load | Abort | Tamper | Forge | Finish
+
+
+class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Engine to parent."""
+
+    ev: Literal["ready", "prefilled", "released", "done", "accounting", "stats", "error"]
+    rid: str = ""
+    port: int = 0
+    params: KVTransferParams | None = None
+    outcome: str = ""
+    expired: bool = False
+    verified: bool = False
+    reason: str = ""
+    free: int = 0
+    total: int = 0
+    in_flight: int = 0
+    local_violations: int = 0
+    remote_violations: int = 0
+    logs: list[str] = []
+    t_ns: int = 0
+    rss: int = 0  # stats: resident bytes of the engine process
+    live: int = 0  # stats: requests holding blocks
+    early_frees: int = 0  # accounting: blocks freed while the transport still had a read into them
+    sizes: dict[str, int] = {}  # stats: how many entries each per-request table holds, summed over workers
