@@ -44,6 +44,7 @@ from pdfsm.events import (
 from pdfsm.topology import ReadSource
 from pdfsm.wire import HeartbeatMessage, Notification
 from transports.base import TransportError
+from transports.layers import LayerError
 from transports.nixl import (
     NixlRankMetadata,
     NixlTransport,
@@ -306,8 +307,12 @@ def test_rank_metadata_is_typed_msgpack(pair: Pair) -> None:
 
 def test_add_peer_refuses_bad_replies(pair: Pair) -> None:
     info = pair.p.rank_info()
-    other = NixlTransport(name("o"), zero_kv(1, 4, 64))
+    other = NixlTransport(name("o"), zero_kv(2, 4, 64))
+    short = NixlTransport(name("s"), zero_kv(1, 4, 64))  # holds layer 0 only
     try:
+        with pytest.raises(LayerError, match="holds layers 1 that this rank does not"):
+            short.add_peer(("P", 0), pair.reply)
+        assert not short.peers
         with pytest.raises(TransportError, match="no rank at pp_rank"):
             other.add_peer(("P", 1), pair.reply)
         wrong = RankInfo(pp_rank=0, tp_rank=0, agent="someone-else", metadata=info.metadata)
@@ -320,6 +325,7 @@ def test_add_peer_refuses_bad_replies(pair: Pair) -> None:
         other.add_peer(("P", 0), pair.reply)  # the failed attempts left nothing behind
     finally:
         other.close()
+        short.close()
 
 
 def test_read_and_notification(pair: Pair) -> None:

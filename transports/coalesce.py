@@ -170,8 +170,9 @@ def read_descs(
 ) -> tuple[DescArray, DescArray]:
     """Every descriptor of one read, region after region, coalesced within each region.
 
-    Region ``k`` of the local side pairs with region ``k`` of the remote side (the
-    same layer and K/V cache on both engines). The same result as :func:`block_descs`
+    ``local_regions[k]`` pairs with ``remote_regions[k]``: the caller passes them paired
+    (the transports pair them by layer, :mod:`transports.layers`, and pass the local
+    regions of the remote rank's layers). The same result as :func:`block_descs`
     and :func:`coalesce` region by region, computed for all regions at once (a few
     NumPy calls whatever the number of regions).
     """
@@ -212,20 +213,26 @@ def read_descs(
     return out_l, out_r
 
 
-def block_indices(blocks: Blocks, num_blocks: int, num_regions: int) -> npt.NDArray[np.int32]:
+def block_indices(blocks: Blocks, num_blocks: int, regions: int | Sequence[int]) -> npt.NDArray[np.int32]:
     """Indices into a prepared per-block list laid out region-major (entry ``r * num_blocks + b``
-    is block ``b`` of region ``r``): every block of region 0, then region 1, and so on, so
-    that a transfer engine which merges adjacent prepared entries sees the runs."""
+    is block ``b`` of region ``r``), so that a transfer engine which merges adjacent prepared
+    entries sees the runs.
+
+    ``regions`` is either a count (every region, ``0..regions-1``, in order) or the positions
+    of the regions to index, in the order wanted: with layer pairing, a read from a PP rank
+    that holds some layers indexes only the local regions of those layers."""
     ids = _ids(blocks, num_blocks, "block")
-    if num_regions * num_blocks >= 1 << 31:
-        raise SliceError(f"{num_regions} x {num_blocks} prepared entries do not fit 32-bit indices")
-    if num_regions == 1:
+    positions = tuple(range(regions)) if isinstance(regions, int) else tuple(regions)
+    if positions and (min(positions) < 0 or (max(positions) + 1) * num_blocks >= 1 << 31):
+        raise SliceError(f"regions {min(positions)}..{max(positions)} x {num_blocks} blocks do not fit "
+                         "32-bit prepared indices")
+    if positions == (0,):
         return ids.astype(np.int32)
-    return (_offsets(num_regions, num_blocks) + ids.astype(np.int32)[None, :]).reshape(-1)
+    return (_offsets(positions, num_blocks) + ids.astype(np.int32)[None, :]).reshape(-1)
 
 
-@lru_cache(maxsize=64)
-def _offsets(num_regions: int, num_blocks: int) -> npt.NDArray[np.int32]:
-    offsets = np.arange(num_regions, dtype=np.int32)[:, None] * np.int32(num_blocks)
+@lru_cache(maxsize=256)
+def _offsets(positions: tuple[int, ...], num_blocks: int) -> npt.NDArray[np.int32]:
+    offsets = np.array(positions, dtype=np.int32)[:, None] * np.int32(num_blocks)
     offsets.setflags(write=False)
     return offsets
