@@ -168,6 +168,15 @@ def test_block_indices_are_region_major() -> None:
         block_indices([3], 3, 1)
 
 
+def test_block_indices_of_some_regions() -> None:
+    """Layer pairing indexes a subset of the local regions, in the remote rank's order."""
+    assert block_indices([2, 0], 3, [3, 1]).tolist() == [11, 9, 5, 3]
+    assert block_indices([2, 0], 3, (0, 1)).tolist() == block_indices([2, 0], 3, 2).tolist()
+    assert block_indices([1], 3, [2]).tolist() == [7]
+    with pytest.raises(SliceError, match="32-bit"):
+        block_indices([0], 1 << 20, [1 << 11])
+
+
 @settings(max_examples=300, deadline=None)
 @given(tables(), st.integers(1, 4), st.booleans(), st.data())
 def test_read_descs_equals_coalescing_region_by_region(
