@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -78,10 +78,16 @@ def _ids(blocks: Blocks, num_blocks: int, side: str) -> npt.NDArray[np.int64]:
         ids = np.fromiter(blocks, dtype=np.int64, count=len(blocks))  # a third faster than asarray
     else:
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+    _check_range(ids, num_blocks, side)
+    return ids
+
+
+def _check_range(ids: npt.NDArray[np.signedinteger[Any]], num_blocks: int, side: str) -> None:
+    # One reduction checks both bounds: a negative id, seen unsigned, is larger than any count.
+    unsigned = np.uint64 if ids.dtype == np.int64 else np.uint32
+    if ids.size and int(ids.view(unsigned).max()) >= num_blocks:
         bad = ids[(ids < 0) | (ids >= num_blocks)][0]
         raise SliceError(f"{side} block {int(bad)} outside 0..{num_blocks - 1}")
-    return ids
 
 
 def block_descs(
@@ -220,19 +226,35 @@ def block_indices(blocks: Blocks, num_blocks: int, regions: int | Sequence[int])
 
     ``regions`` is either a count (every region, ``0..regions-1``, in order) or the positions
     of the regions to index, in the order wanted: with layer pairing, a read from a PP rank
-    that holds some layers indexes only the local regions of those layers."""
-    ids = _ids(blocks, num_blocks, "block")
-    positions = tuple(range(regions)) if isinstance(regions, int) else tuple(regions)
-    if positions and (min(positions) < 0 or (max(positions) + 1) * num_blocks >= 1 << 31):
-        raise SliceError(f"regions {min(positions)}..{max(positions)} x {num_blocks} blocks do not fit "
-                         "32-bit prepared indices")
-    if positions == (0,):
-        return ids.astype(np.int32)
-    return (_offsets(positions, num_blocks) + ids.astype(np.int32)[None, :]).reshape(-1)
+    that holds some layers indexes only the local regions of those layers.
+
+    On the read path, once per side of every read: the ids go straight to ``int32`` (one pass
+    over the Python ints, the bulk of the cost), one reduction checks their range, one
+    broadcast add lays them out."""
+    offsets = _offsets(regions if isinstance(regions, int) else tuple(regions), num_blocks)
+    ids: npt.NDArray[np.signedinteger[Any]]
+    try:
+        if not isinstance(blocks, (tuple, list)):
+            raise TypeError
+        ids = np.fromiter(blocks, dtype=np.int32, count=len(blocks))
+    except (TypeError, ValueError, OverflowError):  # not a plain list of small ints: the general path
+        ids = _ids(blocks, num_blocks, "block")
+    else:
+        _check_range(ids, num_blocks, "block")
+    ids32 = ids.astype(np.int32, copy=False)  # in range: checked above, and the sums by _offsets
+    return ids32 if offsets is None else (offsets + ids32).reshape(-1)
 
 
 @lru_cache(maxsize=256)
-def _offsets(positions: tuple[int, ...], num_blocks: int) -> npt.NDArray[np.int32]:
+def _offsets(regions: int | tuple[int, ...], num_blocks: int) -> npt.NDArray[np.int32] | None:
+    positions = tuple(range(regions)) if isinstance(regions, int) else regions
+    if not positions:
+        raise SliceError("no region to index")
+    if min(positions) < 0 or (max(positions) + 1) * num_blocks >= 1 << 31:
+        raise SliceError(f"regions {min(positions)}..{max(positions)} x {num_blocks} blocks do not fit "
+                         "32-bit prepared indices")
+    if positions == (0,):
+        return None
     offsets = np.array(positions, dtype=np.int32)[:, None] * np.int32(num_blocks)
     offsets.setflags(write=False)
     return offsets
