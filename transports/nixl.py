@@ -103,7 +103,7 @@ from pdfsm.events import (
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
 from transports.base import Capabilities, Clock, Submit, TransportError
-from transports.coalesce import Region, SliceError, block_indices, read_descs, slice_span
+from transports.coalesce import Region, SliceError, read_descs, read_indices, slice_span
 from transports.layers import LayerError, check_layers, coverage_problem, local_positions
 
 __all__ = [
@@ -498,8 +498,8 @@ class NixlTransport:
         remote = self._remote_list(peer, src.remote_slices, src.remote_slice)
         # Region-major indices; every region of a rank has the same block count. Remote region k
         # pairs with local region peer.local_pos[k] (the same layer).
-        li = block_indices(cmd.local_blocks, self.regions[0].num_blocks, peer.local_pos)
-        ri = block_indices(cmd.remote_blocks, peer.regions[0].num_blocks, len(peer.regions))
+        li, ri = read_indices(cmd.local_blocks, cmd.remote_blocks, self.regions[0].num_blocks,
+                              peer.regions[0].num_blocks, peer.local_pos)
         return self.agent.make_prepped_xfer("READ", local, li, remote, ri, note)
 
     def _local_list(self, slices: int, index: int) -> Any:
