@@ -81,7 +81,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
@@ -273,6 +273,7 @@ class NixlTransport:
         progress_delay_us: int | None = 100,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
+        backend_params: Mapping[str, str] | None = None,
     ) -> None:
         """``progress_delay_us``: how long NIXL's progress thread sleeps between rounds. NIXL's
         Python API starts it with no delay, a thread that spins on a core; on this 2-core
@@ -284,7 +285,13 @@ class NixlTransport:
         by default its position. A PP rank registers only its own layers, e.g. PP rank ``p`` of
         ``P`` over ``L`` layers ``layers=range(p*L//P, (p+1)*L//P)``; a consumer with PP size 1
         registers all of them. ``supports_pp=False``: this transport refuses every remote rank
-        at ``pp_rank > 0`` (and cannot itself be one)."""
+        at ``pp_rank > 0`` (and cannot itself be one).
+
+        ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
+        ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
+        of at least ``backend_params["split_batch_size"]`` descriptors (NIXL's default 1024,
+        counted after merging) is split across them; see docs/transports.md for what that does
+        to bandwidth between two processes on one host."""
         if xfer_mode not in ("prepped", "descs"):
             raise ValueError(f"xfer_mode must be 'prepped' or 'descs', got {xfer_mode!r}")
         if cancel_policy not in ("wait", "release"):
@@ -303,7 +310,8 @@ class NixlTransport:
         kinds: frozenset[str] = frozenset({"DRAM", self.kind})
         self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds)
         self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
-                                 delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads)
+                                 delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads,
+                                 params=dict(backend_params or {}))
         self._reg = self.agent.register_memory(self.tensors)
         region_infos = tuple(RegionInfo(r.base, r.stride, r.num_blocks, r.device, self.kind, x)
                              for r, x in zip(self.regions, self.layers, strict=True))
@@ -723,15 +731,23 @@ class _Never(Exception):
 
 
 def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
-                backends: list[str], num_threads: int) -> Any:
+                backends: list[str], num_threads: int, params: dict[str, str]) -> Any:
     """A ``nixl_agent`` with the given backends; with ``delay_us`` set, its progress thread
     sleeps that long between rounds. NIXL's Python API hardcodes no delay, so in that case the
     binding-level agent is created with our configuration and the backends are created on it
     through the public ``create_backend``. A NIXL whose Python API is laid out differently gets
     its own default agent, with a warning."""
-    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
+    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+    init.update(params)
     if delay_us is None or not progress_thread:
-        return api.nixl_agent(name, conf)
+        if not init:
+            conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends)
+            return api.nixl_agent(name, conf)
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        for backend in backends:
+            agent.create_backend(backend, init)
+        return agent
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
     bindings = getattr(api, "nixlBind", None)
     if bindings is None or not hasattr(bindings, "nixlAgentConfig") or not hasattr(api.nixl_agent, "create_backend"):
         _log.warning("this NIXL's Python API cannot set the progress thread's delay; using NIXL's default")
@@ -745,7 +761,6 @@ def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: 
     cfg.lthrDelay = 100000
     cfg.captureTelemetry = False
     agent.agent = bindings.nixlAgent(name, cfg)  # the agent without backends is dropped
-    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
     for backend in backends:
         agent.create_backend(backend, init)
     return agent
