@@ -265,18 +265,20 @@ def read_indices(local_blocks: Blocks, remote_blocks: Blocks, local_num_blocks: 
     positions = tuple(local_regions)
     offsets = _pair_offsets(positions, local_num_blocks, remote_num_blocks)
     if isinstance(local_blocks, (tuple, list)) and isinstance(remote_blocks, (tuple, list)):
-        try:
-            both = np.frombuffer(_ints(2 * n, "i").pack(*local_blocks, *remote_blocks), dtype=np.int32)
+        packed = bytearray(8 * n)
+        try:  # each table straight from its tuple (no merged argument tuple)
+            fmt = _ints(n, "i")
+            fmt.pack_into(packed, 0, *local_blocks)
+            fmt.pack_into(packed, 4 * n, *remote_blocks)
         except struct.error:
             pass
         else:
-            both = both.reshape(2, n)
-            if not n:
-                return both[0], both[1]
-            top_local, top_remote = both.view(np.uint32).max(axis=1).tolist()  # negatives are huge unsigned
-            if top_local < local_num_blocks and top_remote < remote_num_blocks:
-                out = offsets + both[:, None, :]  # (side, region, block)
-                return out[0].reshape(-1), out[1].reshape(-1)
+            # Two views of one buffer, (side, 1, block): unsigned for the range check (a negative
+            # id is huge unsigned), signed for the layout. As few NumPy calls as it takes.
+            top = np.ndarray((2, 1, n), np.uint32, packed).max(axis=2) if n else None
+            if top is None or (int(top[0, 0]) < local_num_blocks and int(top[1, 0]) < remote_num_blocks):
+                out = (offsets + np.ndarray((2, 1, n), np.int32, packed)).reshape(2, -1)  # (side, region-major)
+                return out[0], out[1]
     # Anything else, or an id out of range: side by side, for the general path and its errors.
     return (block_indices(local_blocks, local_num_blocks, positions),
             block_indices(remote_blocks, remote_num_blocks, len(positions)))
