@@ -1,11 +1,14 @@
 """The NIXL transport over real NIXL (UCX backend, host memory).
 
 First several agents in this process (fast): Connector pairs moving blocks with the bytes
-verified, heterogeneous TP both ways, MLA, and the transport's rules one by one (a raising
-poll fails the handle, the drop of a peer waits for its reads, the cancel rule, the thread
-guard). Then a producer in a second OS process (tests/nixl_peer.py): bytes verified, the
-producer released only by the notification that rode on the READ, a cancelled read against a
-stopped peer, and a producer killed with SIGKILL while a READ is in flight.
+verified, heterogeneous TP both ways, MLA, PP 2 into PP 1 (regions paired by layer), and the
+transport's rules one by one (layer ids in the metadata, no-PP refusals, a raising poll fails
+the handle, the drop of a peer waits for its reads, the cancel rule, the thread guard). Then
+producers in a second OS process (tests/nixl_peer.py): bytes verified, the producer released
+only by the notification that rode on the READ, a cancelled read against a stopped peer, a
+producer killed with SIGKILL while a READ is in flight, and a PP 2 x TP 2 producer engine
+(four agents, a real side channel) read by a PP 1 consumer, then refused by a consumer whose
+transport has no PP.
 """
 
 from __future__ import annotations
