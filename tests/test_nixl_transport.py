@@ -167,6 +167,25 @@ def test_connector_pair_moves_blocks(xfer_mode: str) -> None:
         close_all([p, d])
 
 
+def test_ucx_thread_pool_moves_blocks() -> None:
+    """backend_params reach UCX: with a pool of 2 threads and split_batch_size 1, a read's
+    descriptors are split across the threads (benchmarks/transport.py); the bytes still land."""
+    net = SimNetwork()
+    (p,) = engine(net, "P", 1, 32, 1024, fill=True, regions=4)
+    (d,) = engine(net, "D", 1, 32, 1024, fill=False, regions=4, num_threads=2,
+                  backend_params={"split_batch_size": "1"})
+    try:
+        remote, local = [*range(8, 20), 3, 30, 1], [*range(0, 12), 31, 20, 21]
+        params = p.conn.request_finished("rp", remote)
+        d.conn.load("rd", local, params)
+        run_until([p, d], lambda: "rd" in d.recving and "rp" in p.sending)
+        assert not d.conn.last.failed
+        for k in range(4):
+            assert torch.equal(d.kv[k][local], p.kv[k][remote])
+    finally:
+        close_all([p, d])
+
+
 def test_producer_tp2_consumer_tp1() -> None:
     # D rank 0 reads whole blocks from P ranks 0 and 1, each into its half of the local block.
     net = SimNetwork()
