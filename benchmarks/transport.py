@@ -26,11 +26,19 @@ region (64 MiB). Methods:
   memory-bandwidth limit.
 
 The machine is shared and noisy, so the script runs ``--reps`` *rounds*, each of
-every case and every method once (the order of methods flips every round), so every
-case sees the same phases of the noise. Bandwidth is the best of the rounds (median
-alongside). pdfsm against raw NIXL is, per case, the median of the ratios of the
-back-to-back pdfsm and raw runs of each round; the ratio of two best-of figures is
-printed too but is a lottery here. Bytes are verified once per case before timing.
+every case and every method once, so every case sees the same phases of the noise.
+Within a round the methods run as two back-to-back pairs, (pdfsm, raw) then
+(pdfsm_descs, raw_descs), then the two copies; which method of a pair goes first
+alternates from round to round. So each method of a pair runs first (right after the
+previous case's copy_) in half the rounds and second (right after its partner) in the
+other half. The order matters here: a READ right after a 64 MiB ``copy_`` ran 1.5-3.5%
+slower than the same READ after another READ (measured both ways with the pair
+swapped), and an earlier order (all methods, reversed every other round) put pdfsm
+after a copy_ in half the rounds and raw never, which biased pdfsm/raw down by about
+that much. Bandwidth is the best of the rounds (median alongside). pdfsm against raw
+NIXL is, per case, the median of the ratios of the back-to-back pdfsm and raw runs of
+each round; the ratio of two best-of figures is printed too but is a lottery here.
+Bytes are verified once per case before timing.
 
 ``--json`` prints one JSON object: ``pdfsm_vs_raw_nixl`` (worst case),
 ``pdfsm_vs_raw_nixl_best_of``, ``pdfsm_descs_vs_raw_descs``,
@@ -44,6 +52,7 @@ figures (``cases``) and the cost of setting a read up in each mode (``setup_cost
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -69,7 +78,15 @@ from transports.sim import SimHandshaker, SimNetwork
 ROOT = Path(__file__).resolve().parent.parent
 GIB = float(1 << 30)
 METHODS = ("pdfsm", "raw", "pdfsm_descs", "raw_descs", "copy", "copy_1t")
+PAIRS = (("pdfsm", "raw"), ("pdfsm_descs", "raw_descs"))  # compared with each other, run back to back
+
+
+def round_order(rep: int) -> list[str]:
+    """The methods of round ``rep``: each pair back to back, its first alternating, then the copies."""
+    pairs = [m for pair in PAIRS for m in (pair if rep % 2 == 0 else pair[::-1])]
+    return [*pairs, *(m for m in METHODS if m not in pairs)]
 TABLES = ("contiguous", "shuffled")
+_agents = itertools.count()  # consumer agent names unique in this process
 
 
 def quiet() -> None:
@@ -98,7 +115,8 @@ def serve(args: argparse.Namespace) -> int:
     transports = []
     for bs in args.sizes:
         blocks = args.total // (bs * args.regions)
-        t = NixlTransport(f"bench-P-{bs}-{os.getpid()}", kv(args.regions, blocks, bs, seed=bs))
+        t = NixlTransport(f"bench-P-{bs}-{os.getpid()}", kv(args.regions, blocks, bs, seed=bs),
+                          backend_params=args.params)
         notes = [0]
 
         def count(ev: Event, notes: list[int] = notes) -> None:
@@ -137,7 +155,8 @@ class Case:
         self.nbytes = self.blocks * bs * args.regions
         self.expected = kv(args.regions, self.blocks, bs, seed=bs)  # what the producer holds
         self.dst = [torch.zeros(self.blocks, bs, dtype=torch.uint8) for _ in range(args.regions)]
-        self.transport = NixlTransport(f"bench-D-{bs}-{os.getpid()}", self.dst, num_threads=args.num_threads)
+        self.transport = NixlTransport(f"bench-D-{bs}-{os.getpid()}-{next(_agents)}", self.dst,
+                                       num_threads=args.num_threads, backend_params=args.params)
         self.engine = f"P{bs}"
         net = SimNetwork()
         reply = HandshakeReply(engine_id=self.engine, compat_hash="", tp_size=1, ranks=(info,))
@@ -299,7 +318,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, __file__, "--serve", "--total-mib", str(args.total_mib), "--regions", str(args.regions),
-           "--sizes", ",".join(map(str, args.sizes))]
+           "--sizes", ",".join(map(str, args.sizes)), *(f"--backend-param={k}={v}" for k, v in args.params.items())]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert server.stdout is not None and server.stdin is not None
     infos: dict[int, RankInfo] = {}
@@ -325,13 +344,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 case.verify(table)
             cases.append((case, raw))
         # Rounds: every case and method once per round, so that every case sees the same
-        # phases of a noisy machine; the order of the methods flips every other round.
+        # phases of a noisy machine; within a pair, which runs first alternates (round_order).
         times: dict[tuple[int, str], dict[str, list[float]]] = {
             (c.bs, t): {m: [] for m in METHODS} for c, _ in cases for t in TABLES}
         for rep in range(args.reps):
             for case, raw in cases:
                 for table in TABLES:
-                    for m in METHODS if rep % 2 == 0 else METHODS[::-1]:
+                    for m in round_order(rep):
                         times[(case.bs, table)][m].append(timed(m, case, raw, table))
         setup = setup_costs(*cases[0])
         for case, _ in cases:
@@ -363,6 +382,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "torch_threads": torch.get_num_threads(),
                   "statistic": "GiB/s: best of rounds (medians alongside); pdfsm/raw: median of back-to-back pairs",
                   "ucx_tls": os.environ.get("UCX_TLS", "default"),
+                  "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+                  "num_threads": args.num_threads, "backend_params": args.params,
                   "seconds": round(time.perf_counter() - t_start, 1)},
         "cases": results,
         "setup_cost": setup,
@@ -392,10 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=21, help="rounds over every case and method (default 21)")
     ap.add_argument("--sizes", default="4096,16384,65536,1048576", help="block sizes in bytes")
     ap.add_argument("--num-threads", type=int, default=0, help="UCX backend threads of the reading agent")
+    ap.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a UCX backend parameter for both processes' agents (e.g. split_batch_size=1)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.total = args.total_mib << 20
+    args.params = dict(p.split("=", 1) for p in args.backend_param)
     if args.serve:
         return serve(args)
     if not args.json:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import structlog
@@ -117,13 +117,20 @@ def _check_id(field: str, value: object) -> str:
     return value
 
 
+_BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+
+
 def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
+    # Fast path, in C: msgspec checks every id is exactly an int (no bool, no NumPy int) and
+    # non-negative, in one pass (~18 us for 1024 ids here, against ~46 us for the type set and
+    # min() it replaced, and ~115 ns per id for the loop below, which stays the reference and
+    # names the first bad id).
+    if type(blocks) is tuple or type(blocks) is list:
+        try:
+            return msgspec.convert(blocks, _BlockIds)
+        except msgspec.ValidationError:
+            pass
     out = tuple(blocks)
-    # Fast path, in C: every id exactly an int (so no bool) and the smallest non-negative.
-    # About 15 ns per block against 115 for the loop below, which stays the reference and
-    # names the first bad id (a 16k-block table cost 1.9 ms here, a tenth of its transfer).
-    if not out or (set(map(type, out)) == {int} and min(out) >= 0):
-        return out
     for b in out:
         if not isinstance(b, int) or isinstance(b, bool) or b < 0:
             raise InvalidInput(field, f"block ids must be non-negative ints, got {b!r}")

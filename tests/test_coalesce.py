@@ -15,6 +15,7 @@ from transports.coalesce import (
     block_indices,
     coalesce,
     read_descs,
+    read_indices,
     slice_span,
 )
 
@@ -166,6 +167,37 @@ def test_block_indices_are_region_major() -> None:
     assert block_indices([2, 0], 3, 2).tolist() == [2, 0, 5, 3]
     with pytest.raises(SliceError):
         block_indices([3], 3, 1)
+
+
+def test_block_indices_of_some_regions() -> None:
+    """Layer pairing indexes a subset of the local regions, in the remote rank's order."""
+    assert block_indices([2, 0], 3, [3, 1]).tolist() == [11, 9, 5, 3]
+    assert block_indices([2, 0], 3, (0, 1)).tolist() == block_indices([2, 0], 3, 2).tolist()
+    assert block_indices([1], 3, [2]).tolist() == [7]
+    with pytest.raises(SliceError, match="32-bit"):
+        block_indices([0], 1 << 20, [1 << 11])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_read_indices_equal_block_indices_side_by_side(data: st.DataObject) -> None:
+    nl, nr = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 12))
+    nreg_local = data.draw(st.integers(1, 5))
+    positions = data.draw(st.lists(st.integers(0, nreg_local - 1), min_size=1, max_size=nreg_local, unique=True))
+    n = data.draw(st.integers(0, 10))
+    bad = data.draw(st.booleans())
+    ids = st.integers(-2, 14) if bad else st.integers(0, 11)
+    local = data.draw(st.lists(ids, min_size=n, max_size=n))
+    remote = data.draw(st.lists(ids, min_size=n, max_size=n))
+    try:
+        want = (block_indices(local, nl, positions), block_indices(remote, nr, len(positions)))
+    except SliceError as exc:
+        with pytest.raises(SliceError, match=str(exc).split(" outside")[0]):
+            read_indices(tuple(local), tuple(remote), nl, nr, positions)
+        return
+    li, ri = read_indices(tuple(local), tuple(remote), nl, nr, positions)
+    assert li.tolist() == want[0].tolist() and ri.tolist() == want[1].tolist()
+    assert li.dtype == ri.dtype == np.int32 and li.flags.c_contiguous and ri.flags.c_contiguous
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,11 +1,14 @@
 """The NIXL transport over real NIXL (UCX backend, host memory).
 
 First several agents in this process (fast): Connector pairs moving blocks with the bytes
-verified, heterogeneous TP both ways, MLA, and the transport's rules one by one (a raising
-poll fails the handle, the drop of a peer waits for its reads, the cancel rule, the thread
-guard). Then a producer in a second OS process (tests/nixl_peer.py): bytes verified, the
-producer released only by the notification that rode on the READ, a cancelled read against a
-stopped peer, and a producer killed with SIGKILL while a READ is in flight.
+verified, heterogeneous TP both ways, MLA, PP 2 into PP 1 (regions paired by layer), and the
+transport's rules one by one (layer ids in the metadata, no-PP refusals, a raising poll fails
+the handle, the drop of a peer waits for its reads, the cancel rule, the thread guard). Then
+producers in a second OS process (tests/nixl_peer.py): bytes verified, the producer released
+only by the notification that rode on the READ, a cancelled read against a stopped peer, a
+producer killed with SIGKILL while a READ is in flight, and a PP 2 x TP 2 producer engine
+(four agents, a real side channel) read by a PP 1 consumer, then refused by a consumer whose
+transport has no PP.
 """
 
 from __future__ import annotations
@@ -35,17 +38,21 @@ from pdfsm.events import (
     HandleDone,
     HandleFailed,
     HandleFailure,
+    HandshakeDone,
     HandshakeReply,
     Heartbeat,
     NotificationReceived,
     PeerDisconnected,
     RankInfo,
 )
+from pdfsm.sidechannel import SideChannelHandshaker
 from pdfsm.topology import ReadSource
 from pdfsm.wire import HeartbeatMessage, Notification
-from transports.base import TransportError
+from transports.base import Handshaker, TransportError
+from transports.layers import LayerError
 from transports.nixl import (
     NixlRankMetadata,
+    NixlRankMetadataV1,
     NixlTransport,
     RegionInfo,
     decode_rank_metadata,
@@ -83,11 +90,14 @@ class Rank:
     """One worker: its KV tensors, NIXL transport and Connector."""
 
     def __init__(self, engine_id: str, net: SimNetwork, tp_rank: int, tp_size: int, kv: list[torch.Tensor],
-                 *, mla: bool = False, host: str = "", **kw: Any) -> None:
+                 *, mla: bool = False, host: str = "", pp_rank: int = 0, pp_size: int = 1,
+                 handshaker: Handshaker | None = None, **kw: Any) -> None:
         self.kv = kv
-        self.transport = NixlTransport(name(f"{engine_id}{tp_rank}"), kv, tp_rank=tp_rank, **kw)
-        config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mla=mla, strict=True)
-        self.conn = Connector(config, self.transport, SimHandshaker(net), host=host, port=1)
+        self.transport = NixlTransport(name(f"{engine_id}{pp_rank}.{tp_rank}"), kv, tp_rank=tp_rank, pp_rank=pp_rank,
+                                       **kw)
+        config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                            mla=mla, strict=True)
+        self.conn = Connector(config, self.transport, handshaker or SimHandshaker(net), host=host, port=1)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
 
@@ -157,6 +167,25 @@ def test_connector_pair_moves_blocks(xfer_mode: str) -> None:
         close_all([p, d])
 
 
+def test_ucx_thread_pool_moves_blocks() -> None:
+    """backend_params reach UCX: with a pool of 2 threads and split_batch_size 1, a read's
+    descriptors are split across the threads (benchmarks/transport.py); the bytes still land."""
+    net = SimNetwork()
+    (p,) = engine(net, "P", 1, 32, 1024, fill=True, regions=4)
+    (d,) = engine(net, "D", 1, 32, 1024, fill=False, regions=4, num_threads=2,
+                  backend_params={"split_batch_size": "1"})
+    try:
+        remote, local = [*range(8, 20), 3, 30, 1], [*range(0, 12), 31, 20, 21]
+        params = p.conn.request_finished("rp", remote)
+        d.conn.load("rd", local, params)
+        run_until([p, d], lambda: "rd" in d.recving and "rp" in p.sending)
+        assert not d.conn.last.failed
+        for k in range(4):
+            assert torch.equal(d.kv[k][local], p.kv[k][remote])
+    finally:
+        close_all([p, d])
+
+
 def test_producer_tp2_consumer_tp1() -> None:
     # D rank 0 reads whole blocks from P ranks 0 and 1, each into its half of the local block.
     net = SimNetwork()
@@ -210,6 +239,55 @@ def test_mla_reads_one_rank_and_notifies_the_other() -> None:
         assert [n.request_id for n in events_of(ps[1], NotificationReceived)] == ["r"]
     finally:
         close_all([*ps, d])
+
+
+# --- pipeline parallelism in one process -----------------------------------------------------------
+
+
+def pp_engine(net: SimNetwork, engine_id: str, *, pp: int, tp: int, layers: int, blocks: int, block_bytes: int,
+              fill: bool, layer_order: Callable[[list[int]], list[int]] = list,
+              **kw: Any) -> dict[tuple[int, int], Rank]:
+    """``pp`` x ``tp`` ranks; PP rank ``p`` holds its contiguous share of ``layers`` layers (in
+    the order ``layer_order`` gives), one region per layer, bytes unique to (rank, layer). The
+    handshake for pp_rank ``p`` answers with PP rank ``p``'s TP ranks."""
+    host, per = f"{engine_id}-host", layers // pp
+    ranks: dict[tuple[int, int], Rank] = {}
+    for p in range(pp):
+        ids = layer_order(list(range(p * per, (p + 1) * per)))
+        for t in range(tp):
+            kv = ([random_kv(1, blocks, block_bytes, 1000 * p + 100 * t + x)[0] for x in ids] if fill
+                  else zero_kv(len(ids), blocks, block_bytes))
+            ranks[(p, t)] = Rank(engine_id, net, t, tp, kv, host=host, pp_rank=p, pp_size=pp, layers=ids, **kw)
+    replies = {p: HandshakeReply(engine_id=engine_id, compat_hash="", tp_size=tp, pp_size=pp, num_blocks=blocks,
+                                 ranks=tuple(ranks[(p, t)].transport.rank_info() for t in range(tp)))
+               for p in range(pp)}
+    net.serve(host, 1, lambda p: replies[p])
+    return ranks
+
+
+def layer_bytes(rank: Rank, layer: int) -> torch.Tensor:
+    return rank.kv[rank.transport.layers.index(layer)]
+
+
+@pytest.mark.parametrize("xfer_mode", ["prepped", "descs"])
+def test_pp2_producer_into_pp1_consumer(xfer_mode: str) -> None:
+    """Each PP rank's regions land in the consumer's regions of the same layers, though the
+    consumer registered them in another order (the prepared path indexes that subset)."""
+    net = SimNetwork()
+    ps = pp_engine(net, "P", pp=2, tp=1, layers=4, blocks=16, block_bytes=512, fill=True, xfer_mode=xfer_mode)
+    (d,) = pp_engine(net, "D", pp=1, tp=1, layers=4, blocks=16, block_bytes=512, fill=False,
+                     layer_order=lambda ids: [2, 0, 3, 1], xfer_mode=xfer_mode).values()
+    try:
+        remote, local = [3, 4, 5, 11, 12], [0, 1, 2, 9, 8]
+        params = [p.conn.request_finished("rp", remote) for p in ps.values()]
+        d.conn.load("rd", local, params[0])
+        run_until([*ps.values(), d], lambda: "rd" in d.recving and all("rp" in p.sending for p in ps.values()))
+        assert not d.conn.last.failed
+        for x in range(4):
+            assert torch.equal(layer_bytes(d, x)[local], layer_bytes(ps[(x // 2, 0)], x)[remote]), x
+        assert set(d.transport.peers) == {("P", 0), ("P", 1)}
+    finally:
+        close_all([*ps.values(), d])
 
 
 def test_read_setup_failure_is_reported_not_raised() -> None:
@@ -304,10 +382,57 @@ def test_rank_metadata_is_typed_msgpack(pair: Pair) -> None:
         decode_rank_metadata(none)
 
 
+def test_layer_ids_in_metadata(pair: Pair) -> None:
+    """nixl/2 carries a layer id per region; nixl/1 (none) still decodes, by position; an old
+    reader refuses nixl/2 instead of silently dropping the layer ids."""
+    meta = decode_rank_metadata(pair.p.rank_info().metadata)
+    assert [r.layer for r in meta.regions] == [0, 1]
+    agent = meta.agent_metadata
+    old = msgspec.msgpack.encode(NixlRankMetadataV1(agent, tuple(
+        msgspec.structs.replace(r, layer=None) for r in meta.regions)))
+    assert b"nixl/1" in old
+    assert decode_rank_metadata(old) == meta
+    with pytest.raises(msgspec.ValidationError, match="nixl/2"):
+        msgspec.msgpack.decode(pair.p.rank_info().metadata, type=NixlRankMetadataV1)
+    r0, r1 = meta.regions
+    for regions, match in (((r0, msgspec.structs.replace(r1, layer=0)), "repeat"),
+                           ((r0, msgspec.structs.replace(r1, layer=None)), "some regions only"),
+                           ((r0, msgspec.structs.replace(r1, layer=-3)), "ints in")):
+        with pytest.raises(LayerError, match=match):
+            decode_rank_metadata(msgspec.msgpack.encode(NixlRankMetadata(agent, regions)))
+    with pytest.raises(LayerError, match="repeat"):
+        NixlTransport(name("x"), zero_kv(2, 4, 64), layers=[5, 5])
+
+
+def test_transport_without_pp_refuses_pp_ranks(pair: Pair) -> None:
+    with pytest.raises(ValueError, match="supports_pp=False"):
+        NixlTransport(name("x"), zero_kv(1, 4, 64), pp_rank=1, supports_pp=False)
+    p1 = NixlTransport(name("p1"), random_kv(2, 16, 256, seed=4), pp_rank=1, layers=[0, 1])
+    d = NixlTransport(name("d"), zero_kv(2, 16, 256), supports_pp=False)
+    try:
+        d.bind(lambda ev: None, time.monotonic_ns)
+        reply = HandshakeReply(engine_id="P", compat_hash="", tp_size=1, pp_size=2, ranks=(p1.rank_info(),))
+        with pytest.raises(TransportError, match="does not support pipeline parallelism"):
+            d.add_peer(("P", 1), reply)
+        assert not d.peers
+        with pytest.raises(TransportError, match="does not support pipeline parallelism"):
+            d.post_read(PostRead("x", "P", ReadSource(1, 0), (0,), (0,), Notification("x", 0, 1)))
+        with pytest.raises(TransportError, match="does not support pipeline parallelism"):
+            d.send(("P", 1), 0, HeartbeatMessage("x", 1))
+        d.add_peer(("P", 0), pair.reply)  # pp_rank 0 is fine
+    finally:
+        d.close()
+        p1.close()
+
+
 def test_add_peer_refuses_bad_replies(pair: Pair) -> None:
     info = pair.p.rank_info()
-    other = NixlTransport(name("o"), zero_kv(1, 4, 64))
+    other = NixlTransport(name("o"), zero_kv(2, 4, 64))
+    short = NixlTransport(name("s"), zero_kv(1, 4, 64))  # holds layer 0 only
     try:
+        with pytest.raises(LayerError, match="holds layers 1 that this rank does not"):
+            short.add_peer(("P", 0), pair.reply)
+        assert not short.peers
         with pytest.raises(TransportError, match="no rank at pp_rank"):
             other.add_peer(("P", 1), pair.reply)
         wrong = RankInfo(pp_rank=0, tp_rank=0, agent="someone-else", metadata=info.metadata)
@@ -320,6 +445,7 @@ def test_add_peer_refuses_bad_replies(pair: Pair) -> None:
         other.add_peer(("P", 0), pair.reply)  # the failed attempts left nothing behind
     finally:
         other.close()
+        short.close()
 
 
 def test_read_and_notification(pair: Pair) -> None:
@@ -531,18 +657,22 @@ def test_capabilities_and_bad_tensors() -> None:
 class Peer:
     """tests/nixl_peer.py in a subprocess; lines over pipes, nothing pickled."""
 
-    def __init__(self, blocks: int, block_bytes: int, regions: int = 2, seed: int = 1) -> None:
+    def __init__(self, blocks: int, block_bytes: int, regions: int = 2, seed: int = 1, *extra: str) -> None:
         self.agent = name("peer")
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "nixl_peer.py"), "--agent", self.agent, "--blocks", str(blocks),
-             "--block-bytes", str(block_bytes), "--regions", str(regions), "--seed", str(seed)],
+             "--block-bytes", str(block_bytes), "--regions", str(regions), "--seed", str(seed), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.lines: list[str] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        line = self.wait_for("RANK ", timeout=60)
-        self.info = msgspec.msgpack.decode(bytes.fromhex(line.split()[1]), type=RankInfo)
+        self.wait_for("READY", timeout=60)
+        with self._cv:
+            self.infos = [msgspec.msgpack.decode(bytes.fromhex(line.split()[1]), type=RankInfo)
+                          for line in self.lines if line.startswith("RANK ")]
+        self.info = self.infos[0]
+        self.port = int(self.wait_for("SIDECHANNEL ").split()[1]) if "--sidechannel" in extra else 1
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -567,13 +697,15 @@ class Peer:
         with self._cv:
             return any(line.startswith(prefix) for line in self.lines)
 
-    def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
+    def hold(self, rid: str, blocks: list[int], *, host: str = "peer", tp_size: int = 1,
+             pp_size: int = 1) -> KVTransferParams:
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"HOLD {rid} {','.join(map(str, blocks))}\n")
         self.proc.stdin.flush()
         self.wait_for(f"HELD {rid}")
-        return KVTransferParams(remote_engine_id="P", remote_request_id=rid, remote_host="peer", remote_port=1,
-                                remote_block_ids=tuple(blocks))
+        return KVTransferParams(remote_engine_id="P", remote_request_id=rid, remote_host=host,
+                                remote_port=self.port, remote_block_ids=tuple(blocks), remote_tp_size=tp_size,
+                                remote_pp_size=pp_size)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -627,7 +759,7 @@ def test_two_processes_bytes_verified(peer: Peer) -> None:
         for k in range(2):
             assert torch.equal(d.kv[k][local], expected[k][remote])
         # The notification rode on the READ: the producer released only now.
-        assert peer.wait_for(f"NOTE {d.transport.agent_name} two-1").split()[3:] == ["0", "1"]
+        assert peer.wait_for(f"NOTE {d.transport.agent_name} two-1").split()[3:5] == ["0", "1"]
         peer.wait_for("RELEASED two-1")
     finally:
         d.conn.shutdown()
@@ -688,3 +820,91 @@ def test_two_processes_producer_killed_mid_transfer() -> None:
         d.conn.shutdown()
         killed.proc.wait(10)
     assert killed.proc.returncode == -signal.SIGKILL
+
+
+# --- pipeline parallelism across two OS processes ----------------------------------------------------
+
+PP_LAYERS, PP_BLOCKS, PP_BLOCK_BYTES = 4, 32, 2048  # per producer rank; the consumer's blocks are 2x wider
+
+
+def region_bytes(seed: int, layer: int, pp_rank: int, tp_rank: int, blocks: int, block_bytes: int) -> torch.Tensor:
+    """What tests/nixl_peer.py wrote into rank (pp_rank, tp_rank)'s region of ``layer``
+    (its region_seed: bytes unique to rank and layer)."""
+    return expected_regions(seed + 10000 * pp_rank + 1000 * tp_rank + layer, 1, blocks, block_bytes)[0]
+
+
+@pytest.fixture(scope="module")
+def pp_peer() -> Iterator[Peer]:
+    """A producer engine with PP 2 and TP 2 in one other process: four NIXL agents, PP rank p
+    holding layers 2p and 2p+1, handshakes answered on a real side channel."""
+    pr = Peer(PP_BLOCKS, PP_BLOCK_BYTES, PP_LAYERS, 3, "--all-ranks", "--pp-size", "2", "--tp-size", "2",
+              "--sidechannel")
+    yield pr
+    pr.stop()
+
+
+def test_two_processes_pp2_tp2_into_pp1_tp1(pp_peer: Peer) -> None:
+    """A PP-1 TP-1 consumer reads all four producer ranks: each layer from the PP rank that
+    holds it, each TP rank's blocks into its half of the consumer's (wider) blocks; both PP
+    engines handshaken over the side channel, each reply keyed (pp_rank, tp_rank) with the TP
+    ranks of its own PP rank; every producer rank released by its notification."""
+    d = Rank("D", SimNetwork(), 0, 1, zero_kv(PP_LAYERS, PP_BLOCKS, 2 * PP_BLOCK_BYTES), layers=[3, 1, 0, 2],
+             handshaker=SideChannelHandshaker("D"))
+    try:
+        remote = [*range(4, 20), 31, 0, 2]
+        local = [*range(10, 26), 1, 3, 30]
+        params = pp_peer.hold("pp-1", remote, host="127.0.0.1", tp_size=2, pp_size=2)
+        d.conn.load("rd", local, params)
+        run_until([d], lambda: "rd" in d.recving, timeout=30)
+        assert not d.conn.last.failed
+        for x in range(PP_LAYERS):
+            pp = x // 2  # the PP rank holding layer x
+            for tp in range(2):
+                want = region_bytes(3, x, pp, tp, PP_BLOCKS, PP_BLOCK_BYTES)[remote]
+                got = layer_bytes(d, x)[local, tp * PP_BLOCK_BYTES:(tp + 1) * PP_BLOCK_BYTES]
+                assert torch.equal(got, want), (x, pp, tp)
+        agents = {(i.pp_rank, i.tp_rank): i.agent for i in pp_peer.infos}
+        assert len(agents) == 4
+        dones = events_of(d, HandshakeDone)
+        assert sorted(ev.pp_rank for ev in dones) == [0, 1]
+        for ev in dones:
+            assert ev.reply.pp_size == 2 and ev.reply.tp_size == 2
+            assert [(r.pp_rank, r.tp_rank, r.agent) for r in ev.reply.ranks] == [
+                (ev.pp_rank, t, agents[(ev.pp_rank, t)]) for t in range(2)]
+        assert {key: {t: peer.agent for t, peer in ranks.items()} for key, ranks in d.transport.peers.items()} == {
+            ("P", pp): {t: agents[(pp, t)] for t in range(2)} for pp in range(2)}
+        for pp in range(2):
+            for tp in range(2):
+                pp_peer.wait_for(f"RELEASED pp-1 {pp} {tp}")
+                note = pp_peer.wait_for(f"NOTE {d.transport.agent_name} pp-1 0 1 {pp} {tp}")
+                assert note
+    finally:
+        d.conn.shutdown()
+
+
+def test_two_processes_pp_request_to_a_transport_without_pp(pp_peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same request against a consumer whose transport says supports_pp=False: it fails in
+    the first step, with the recompute policy; the transport is never asked for anything (no
+    handshake, no peer, no read); the producer is not told, and holds its blocks (its lease
+    releases them)."""
+    d = Rank("D", SimNetwork(), 0, 1, zero_kv(PP_LAYERS, PP_BLOCKS, 2 * PP_BLOCK_BYTES), supports_pp=False,
+             handshaker=SideChannelHandshaker("D"))
+    calls: list[str] = []
+    for method in ("add_peer", "post_read", "send", "cancel_read", "drop_peer"):
+        monkeypatch.setattr(d.transport, method, lambda *a, m=method: calls.append(m))
+    try:
+        assert not d.conn.config.supports_pp
+        params = pp_peer.hold("pp-2", [1, 2, 3], host="127.0.0.1", tp_size=2, pp_size=2)
+        d.conn.load("rd", [4, 5, 6], params)
+        d.step()
+        assert d.recving == {"rd"}
+        (failed,) = d.conn.last.failed
+        assert failed.policy == "recompute" and "PP" in failed.reason
+        assert set(failed.invalid_blocks) == {4, 5, 6}
+        assert calls == [] and not events_of(d, HandshakeDone)
+        assert not any(t.any() for t in d.kv)
+        time.sleep(0.2)
+        assert not pp_peer.has("RELEASED pp-2") and not pp_peer.has(f"NOTE {d.transport.agent_name}")
+    finally:
+        monkeypatch.undo()
+        d.conn.shutdown()

@@ -7,14 +7,16 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from pdfsm.commands import PostRead
-from pdfsm.connector import Connector
+from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import (
     BadMessage,
     CoreConfig,
+    EngineKey,
     Event,
     HandleDone,
     HandleFailed,
@@ -25,10 +27,17 @@ from pdfsm.events import (
     RankInfo,
 )
 from pdfsm.topology import ReadSource
-from pdfsm.wire import HeartbeatMessage, Notification
+from pdfsm.wire import HeartbeatMessage, Notification, NotifyMessage
 from transports.base import TransportError
+from transports.layers import LayerError
 from transports.sim import SimHandshaker, SimNetwork
-from transports.torch import TorchNetwork, TorchTransport
+from transports.torch import (
+    TorchNetwork,
+    TorchRankMetadata,
+    TorchRankMetadataV1,
+    TorchTransport,
+    decode_torch_metadata,
+)
 
 
 def random_kv(regions: int, blocks: int, block_bytes: int, seed: int) -> list[torch.Tensor]:
@@ -42,10 +51,13 @@ def zero_kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
 
 class Rank:
     def __init__(self, tnet: TorchNetwork, net: SimNetwork, engine_id: str, kv: list[torch.Tensor], *,
-                 tp_rank: int, tp_size: int, mla: bool = False, **kw: Any) -> None:
+                 tp_rank: int, tp_size: int, mla: bool = False, pp_rank: int = 0, pp_size: int = 1,
+                 **kw: Any) -> None:
         self.kv = kv
-        self.transport = TorchTransport(tnet, f"{engine_id}{tp_rank}", kv, tp_rank=tp_rank, **kw)
-        config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, mla=mla, strict=True)
+        self.transport = TorchTransport(tnet, f"{engine_id}{pp_rank}.{tp_rank}", kv, tp_rank=tp_rank,
+                                        pp_rank=pp_rank, **kw)
+        config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                            pp_size=pp_size, mla=mla, strict=True)
         self.conn = Connector(config, self.transport, SimHandshaker(net), host=f"{engine_id}-host", port=1)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
@@ -302,3 +314,185 @@ def test_close_reports_what_was_in_flight() -> None:
     with pytest.raises(TransportError, match="closed"):
         pr.read("s")
     pr.p.close()
+
+
+# --- pipeline parallelism: regions paired by layer -------------------------------------------------
+
+LAYERS = 4  # each PP rank of two holds two
+
+
+def pp_engine(tnet: TorchNetwork, net: SimNetwork, engine_id: str, *, pp: int, tp: int, blocks: int,
+              block_bytes: int, fill: bool, layers: Callable[[int], list[int]] | None = None,
+              **kw: Any) -> dict[tuple[int, int], Rank]:
+    """An engine of ``pp`` x ``tp`` ranks; PP rank ``p`` holds layers ``layers(p)`` (by default its
+    share of LAYERS, contiguous), one region per layer, each filled with bytes unique to its
+    (engine, pp, tp, layer). Its side channel answers pp_rank ``p`` with PP rank ``p``'s TP ranks."""
+    per = LAYERS // pp
+    layers_of = layers or (lambda p: list(range(p * per, (p + 1) * per)))
+    ranks: dict[tuple[int, int], Rank] = {}
+    for p in range(pp):
+        ids = layers_of(p)
+        for t in range(tp):
+            kv = ([random_kv(1, blocks, block_bytes, seed=1000 * p + 100 * t + x)[0] for x in ids] if fill
+                  else zero_kv(len(ids), blocks, block_bytes))
+            ranks[(p, t)] = Rank(tnet, net, engine_id, kv, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp,
+                                 layers=ids, **kw)
+    replies = {p: HandshakeReply(engine_id=engine_id, compat_hash="", tp_size=tp, pp_size=pp,
+                                 ranks=tuple(ranks[(p, t)].transport.rank_info() for t in range(tp)))
+               for p in range(pp)}
+    net.serve(f"{engine_id}-host", 1, lambda p: replies[p])
+    return ranks
+
+
+def hold_all(ranks: dict[tuple[int, int], Rank], rid: str, blocks: list[int]) -> KVTransferParams:
+    """``request_finished`` on every rank of a producer engine; the params of the first."""
+    params = [rk.conn.request_finished(rid, blocks) for rk in ranks.values()]
+    return params[0]
+
+
+def layer_bytes(rank: Rank, layer: int) -> torch.Tensor:
+    return rank.kv[rank.transport.layers.index(layer)]
+
+
+@pytest.mark.parametrize("producer_tp", [1, 2])
+def test_pp2_producer_into_pp1_consumer(producer_tp: int) -> None:
+    """Each PP rank's layers land in the consumer's regions of those layers, whatever their
+    positions: the consumer registers its layers out of order."""
+    tnet, net = TorchNetwork(), SimNetwork()
+    ps = pp_engine(tnet, net, "P", pp=2, tp=producer_tp, blocks=16, block_bytes=512 // producer_tp, fill=True)
+    (d,) = pp_engine(tnet, net, "D", pp=1, tp=1, blocks=16, block_bytes=512, fill=False,
+                     layers=lambda p: [2, 0, 3, 1]).values()
+    remote, local = [3, 4, 5, 11], [0, 1, 9, 8]
+    params = hold_all(ps, "rp", remote)
+    assert params.remote_pp_size == 2
+    d.conn.load("rd", local, params)
+    run_until([*ps.values(), d], lambda: "rd" in d.recving and all("rp" in p.sending for p in ps.values()))
+    assert not d.conn.last.failed
+    width = 512 // producer_tp
+    for x in range(LAYERS):
+        for t in range(producer_tp):  # TP rank t's whole blocks into slice t of ours
+            src = layer_bytes(ps[(x // 2, t)], x)[remote]
+            assert torch.equal(layer_bytes(d, x)[local, t * width:(t + 1) * width], src), (x, t)
+    # Both PP engines handshaken, each reply keyed (pp_rank, tp_rank) of its own PP rank.
+    assert {k for k in d.transport.peers} == {("P", 0), ("P", 1)}
+    assert all(set(d.transport.peers[("P", p)]) == set(range(producer_tp)) for p in (0, 1))
+    for p in ps.values():  # every producer rank was read and notified once
+        assert [n.request_id for n in events_of(p, NotificationReceived)] == ["rp"]
+    for rk in (*ps.values(), d):
+        rk.conn.shutdown()
+
+
+def test_equal_pp_sizes_read_the_matching_rank() -> None:
+    tnet, net = TorchNetwork(), SimNetwork()
+    ps = pp_engine(tnet, net, "P", pp=2, tp=1, blocks=8, block_bytes=256, fill=True)
+    ds = pp_engine(tnet, net, "D", pp=2, tp=1, blocks=8, block_bytes=256, fill=False)
+    params = hold_all(ps, "rp", [1, 2])
+    for d in ds.values():
+        d.conn.load("rd", [5, 6], params)
+    run_until([*ps.values(), *ds.values()], lambda: all("rd" in d.recving for d in ds.values()))
+    for (p, _), d in ds.items():
+        assert list(d.transport.peers) == [("P", p)]
+        for x in d.transport.layers:
+            assert torch.equal(layer_bytes(d, x)[[5, 6]], layer_bytes(ps[(p, 0)], x)[[1, 2]])
+    for rk in (*ps.values(), *ds.values()):
+        rk.conn.shutdown()
+
+
+def test_layer_errors() -> None:
+    tnet = TorchNetwork()
+    with pytest.raises(LayerError, match="repeat"):
+        TorchTransport(tnet, "x", zero_kv(2, 4, 64), layers=[1, 1])
+    with pytest.raises(ValueError, match="2 layer ids for 3"):
+        TorchTransport(tnet, "x", zero_kv(3, 4, 64), layers=[0, 1])
+    with pytest.raises(ValueError, match="supports_pp=False"):
+        TorchTransport(tnet, "x", zero_kv(1, 4, 64), pp_rank=1, supports_pp=False)
+    p1 = TorchTransport(tnet, "p1", random_kv(2, 4, 64, seed=1), pp_rank=1, layers=[2, 3])
+    d = TorchTransport(tnet, "d", zero_kv(2, 4, 64))  # layers 0 and 1
+    d.bind(lambda ev: None, time.monotonic_ns)
+    reply = HandshakeReply(engine_id="P", compat_hash="", tp_size=1, pp_size=2, ranks=(p1.rank_info(),))
+    with pytest.raises(LayerError, match="holds layers 2-3 that this rank does not"):
+        d.add_peer(("P", 1), reply)
+    assert not d.peers
+    for t in (p1, d):
+        t.close()
+
+
+def test_layers_covered_exactly_once_or_the_read_fails_setup() -> None:
+    """PP ranks that both hold a layer (here both left at the default, positions 0-1), or that
+    leave a local layer unread (a PP-size-2 producer read as if it had PP size 1): the read
+    fails SETUP, the request fails with the recompute policy, nothing is copied."""
+    tnet, net = TorchNetwork(), SimNetwork()
+    ps = pp_engine(tnet, net, "P", pp=2, tp=1, blocks=8, block_bytes=256, fill=True, layers=lambda p: [0, 1])
+    (d,) = pp_engine(tnet, net, "D", pp=1, tp=1, blocks=8, block_bytes=256, fill=False,
+                     layers=lambda p: [0, 1]).values()
+    params = hold_all(ps, "rp", [1, 2])
+    d.conn.load("rd", [5, 6], params)
+    run_until([d], lambda: "rd" in d.recving)
+    (failed,) = d.conn.last.failed
+    assert failed.policy == "recompute"
+    assert {e.why for e in events_of(d, HandleFailed)} == {HandleFailure.SETUP}
+    assert all("held by remote PP ranks 0 and 1" in e.detail for e in events_of(d, HandleFailed))
+    assert not any(t.any() for t in d.kv)
+
+    qs = pp_engine(tnet, net, "Q", pp=2, tp=1, blocks=8, block_bytes=256, fill=True)
+    (e,) = pp_engine(tnet, net, "E", pp=1, tp=1, blocks=8, block_bytes=256, fill=False).values()
+    params = qs[(0, 0)].conn.request_finished("rq", [1, 2])
+    e.conn.load("re", [5, 6], msgspec.structs.replace(params, remote_pp_size=1))  # a wrong router
+    run_until([e], lambda: "re" in e.recving)
+    (ev,) = events_of(e, HandleFailed)
+    assert ev.why is HandleFailure.SETUP and "holds local layers 2-3: they would not be read" in ev.detail
+    for rk in (*ps.values(), d, *qs.values(), e):
+        rk.conn.shutdown()
+
+
+class Spy(TorchTransport):
+    """Records every call that names a remote PP rank."""
+
+    calls: list[tuple[str, int]]
+
+    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+        self.calls.append(("add_peer", key[1]))
+        super().add_peer(key, reply)
+
+    def post_read(self, cmd: PostRead) -> None:
+        self.calls.append(("post_read", cmd.source.pp_rank))
+        super().post_read(cmd)
+
+    def send(self, key: EngineKey, tp_rank: int, message: NotifyMessage) -> None:
+        self.calls.append(("send", key[1]))
+        super().send(key, tp_rank, message)
+
+
+def test_transport_without_pp_refuses_and_the_connector_never_asks() -> None:
+    tnet, net = TorchNetwork(), SimNetwork()
+    ps = pp_engine(tnet, net, "P", pp=2, tp=1, blocks=8, block_bytes=256, fill=True)
+    d_kv = zero_kv(LAYERS, 8, 256)
+    spy = Spy(tnet, "d-nopp", d_kv, supports_pp=False)
+    spy.calls = []
+    conn = Connector(CoreConfig(engine_id="D", strict=True), spy, SimHandshaker(net))
+    assert not conn.config.supports_pp  # the Connector took the transport's word
+    params = hold_all(ps, "rp", [1, 2])
+    conn.load("rd", [5, 6], params)
+    _, recving = conn.get_finished()  # at once: the first step reports it
+    assert recving == {"rd"}
+    (failed,) = conn.last.failed
+    assert failed.policy == "recompute" and "PP" in failed.reason and set(failed.invalid_blocks) == {5, 6}
+    assert spy.calls == []  # not even PP rank 0 was asked for
+    assert not any(t.any() for t in d_kv)
+    # Defense in depth: the transport itself refuses anything at pp_rank > 0.
+    reply = HandshakeReply(engine_id="P", compat_hash="", tp_size=1, pp_size=2,
+                           ranks=(ps[(1, 0)].transport.rank_info(),))
+    with pytest.raises(TransportError, match="does not support pipeline parallelism"):
+        spy.add_peer(("P", 1), reply)
+    with pytest.raises(TransportError, match="does not support pipeline parallelism"):
+        spy.post_read(PostRead("x", "P", ReadSource(1, 0), (0,), (0,), Notification("x", 0, 1)))
+    with pytest.raises(TransportError, match="does not support pipeline parallelism"):
+        spy.send(("P", 1), 0, HeartbeatMessage("x", 1))
+    conn.shutdown()
+    for rk in ps.values():
+        rk.conn.shutdown()
+
+
+def test_torch_v1_metadata_still_decodes() -> None:
+    old = msgspec.msgpack.encode(TorchRankMetadataV1(((64, 4), (64, 4))))
+    assert decode_torch_metadata(old) == TorchRankMetadata(((64, 4, 0), (64, 4, 1)))

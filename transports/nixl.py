@@ -81,7 +81,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
@@ -103,7 +103,8 @@ from pdfsm.events import (
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
 from transports.base import Capabilities, Clock, Submit, TransportError
-from transports.coalesce import Region, SliceError, block_indices, read_descs, slice_span
+from transports.coalesce import Region, SliceError, read_descs, read_indices, slice_span
+from transports.layers import LayerError, check_layers, coverage_problem, local_positions
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -146,35 +147,61 @@ def nixl_available() -> bool:
 
 
 class RegionInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """One registered KV region as the peer sees it."""
+    """One registered KV region as the peer sees it. ``layer`` is its pairing key
+    (:mod:`transports.layers`); ``None`` (and metadata ``"nixl/1"``, which has no layer ids)
+    means its position in the rank's list."""
 
     base: int
     stride: int  # bytes per block
     num_blocks: int
     device: int
     kind: MemKind
+    layer: int | None = None
 
 
-class NixlRankMetadata(msgspec.Struct, frozen=True, tag="nixl/1", gc=False):
+class NixlRankMetadata(msgspec.Struct, frozen=True, tag="nixl/2", gc=False):
     """What a rank publishes: NIXL's agent metadata (opaque bytes for ``add_remote_agent``) and
-    its KV regions as plain integers."""
+    its KV regions as plain integers, each with its layer id.
+
+    Tag ``"nixl/2"`` (``"nixl/1"`` had no layer ids). The tag changed with the schema because
+    an array-like region with one more field decodes *silently* under the old schema (msgspec
+    drops trailing array elements): an old reader would pair a PP rank's regions by position
+    and read the wrong layers. It refuses the new tag instead. Old ``"nixl/1"`` blobs still
+    decode here, with each region's layer its position."""
+
+    agent_metadata: bytes
+    regions: tuple[RegionInfo, ...]
+
+
+class NixlRankMetadataV1(msgspec.Struct, frozen=True, tag="nixl/1", gc=False):
+    """The metadata before layer ids (its regions' ``layer`` is never set); decoded, not written."""
 
     agent_metadata: bytes
     regions: tuple[RegionInfo, ...]
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
-_meta_decoder = msgspec.msgpack.Decoder(NixlRankMetadata)
+_meta_decoder = msgspec.msgpack.Decoder(NixlRankMetadata | NixlRankMetadataV1)
 
 
 def decode_rank_metadata(raw: bytes) -> NixlRankMetadata:
-    """Decode and check one rank's blob; :class:`TransportError` names what is wrong."""
+    """Decode and check one rank's blob (``"nixl/2"``, or ``"nixl/1"`` read as layers by
+    position); the result has every region's layer set. :class:`TransportError` names what is
+    wrong (:class:`~transports.layers.LayerError` for layer ids)."""
     if len(raw) > MAX_METADATA_BYTES:
         raise TransportError(f"rank metadata of {len(raw)} bytes exceeds the cap of {MAX_METADATA_BYTES}")
     try:
-        meta = _meta_decoder.decode(raw)
+        decoded = _meta_decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise TransportError(f"bad rank metadata: {exc}") from None
+    given = [r.layer for r in decoded.regions if r.layer is not None]
+    if given and isinstance(decoded, NixlRankMetadataV1):
+        raise TransportError('bad rank metadata: "nixl/1" regions carry no layer id')
+    if given and len(given) != len(decoded.regions):
+        raise LayerError("rank metadata gives a layer id to some regions only")
+    layers = check_layers(given or None, len(decoded.regions), where="rank metadata")
+    meta = NixlRankMetadata(decoded.agent_metadata, tuple(
+        msgspec.structs.replace(r, layer=x) for r, x in zip(decoded.regions, layers, strict=True)))
     if not meta.agent_metadata:
         raise TransportError("rank metadata carries no NIXL agent metadata")
     if not meta.regions:
@@ -194,13 +221,19 @@ def decode_rank_metadata(raw: bytes) -> NixlRankMetadata:
 
 
 class _Peer:
-    """One remote rank: its agent, regions and prepared descriptor lists."""
+    """One remote rank: its agent, regions (each paired with a local region by layer) and
+    prepared descriptor lists."""
 
-    __slots__ = ("agent", "geometries", "key", "kind", "prepped", "reads", "regions", "tp_rank")
+    __slots__ = ("agent", "geometries", "key", "kind", "layers", "local_pos", "local_regions", "prepped", "reads",
+                 "regions", "tp_rank")
 
-    def __init__(self, key: EngineKey, tp_rank: int, agent: str, meta: NixlRankMetadata) -> None:
+    def __init__(self, key: EngineKey, tp_rank: int, agent: str, meta: NixlRankMetadata,
+                 local_pos: tuple[int, ...], local_regions: tuple[Region, ...]) -> None:
         self.key, self.tp_rank, self.agent = key, tp_rank, agent
         self.regions = tuple(Region(r.base, r.stride, r.num_blocks, r.device) for r in meta.regions)
+        self.layers = _layers_of(meta)
+        # Remote region k is read into local region local_pos[k] (the same layer), i.e. local_regions[k].
+        self.local_pos, self.local_regions = local_pos, local_regions
         self.kind: MemKind = meta.regions[0].kind
         self.prepped: dict[tuple[int, int], Any] = {}  # (slices, slice) -> nixl_prepped_dlist_handle
         self.reads = 0  # reads of ours to this rank still alive
@@ -230,6 +263,7 @@ class NixlTransport:
         agent_name: str,
         kv_caches: Sequence[torch.Tensor],
         *,
+        layers: Sequence[int] | None = None,
         pp_rank: int = 0,
         tp_rank: int = 0,
         supports_pp: bool = True,
@@ -239,12 +273,25 @@ class NixlTransport:
         progress_delay_us: int | None = 100,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
+        backend_params: Mapping[str, str] | None = None,
     ) -> None:
         """``progress_delay_us``: how long NIXL's progress thread sleeps between rounds. NIXL's
         Python API starts it with no delay, a thread that spins on a core; on this 2-core
         machine that made a 1 KiB READ take 12 ms instead of 0.2 ms (the spinning threads
         starve everything else) and cost a whole core while idle, against ~3% at 100 us.
-        ``None`` keeps NIXL's own setting."""
+        ``None`` keeps NIXL's own setting.
+
+        ``layers``: the layer id of each tensor, its pairing key (:mod:`transports.layers`);
+        by default its position. A PP rank registers only its own layers, e.g. PP rank ``p`` of
+        ``P`` over ``L`` layers ``layers=range(p*L//P, (p+1)*L//P)``; a consumer with PP size 1
+        registers all of them. ``supports_pp=False``: this transport refuses every remote rank
+        at ``pp_rank > 0`` (and cannot itself be one).
+
+        ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
+        ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
+        of at least ``backend_params["split_batch_size"]`` descriptors (NIXL's default 1024,
+        counted after merging) is split across them; see docs/transports.md for what that does
+        to bandwidth between two processes on one host."""
         if xfer_mode not in ("prepped", "descs"):
             raise ValueError(f"xfer_mode must be 'prepped' or 'descs', got {xfer_mode!r}")
         if cancel_policy not in ("wait", "release"):
@@ -254,14 +301,20 @@ class NixlTransport:
         self.agent_name = agent_name
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.xfer_mode, self.cancel_policy = xfer_mode, cancel_policy
+        if pp_rank > 0 and not supports_pp:
+            raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.tensors = list(kv_caches)
         self.regions, self.kind = _regions(self.tensors)
+        self.layers = check_layers(layers, len(self.regions))
+        self._layer_pos = {x: i for i, x in enumerate(self.layers)}
         kinds: frozenset[str] = frozenset({"DRAM", self.kind})
         self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds)
         self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
-                                 delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads)
+                                 delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads,
+                                 params=dict(backend_params or {}))
         self._reg = self.agent.register_memory(self.tensors)
-        region_infos = tuple(RegionInfo(r.base, r.stride, r.num_blocks, r.device, self.kind) for r in self.regions)
+        region_infos = tuple(RegionInfo(r.base, r.stride, r.num_blocks, r.device, self.kind, x)
+                             for r, x in zip(self.regions, self.layers, strict=True))
         self._metadata = _meta_encoder.encode(NixlRankMetadata(bytes(self.agent.get_agent_metadata()), region_infos))
         self._local_prepped: dict[tuple[int, int], Any] = {}
         self.peers: dict[EngineKey, dict[int, _Peer]] = {}
@@ -269,6 +322,7 @@ class NixlTransport:
         self._draining: list[_Peer] = []
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self._disconnected: set[EngineKey] = set()
+        self._coverage: dict[str, str | None] = {}  # engine id -> why its PP ranks' layers do not fill ours
         self._submit: Submit | None = None
         self._clock: Clock = lambda: 0
         self._owner = threading.get_ident()
@@ -299,8 +353,11 @@ class NixlTransport:
     # --- peers ----------------------------------------------------------------------------------
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
-        """Add every rank of ``reply`` at ``key``'s pp_rank; all or nothing."""
+        """Add every rank of ``reply`` at ``key``'s pp_rank; all or nothing. Refused: a PP rank
+        above 0 when this transport has no PP support, a remote layer this rank does not hold,
+        TP ranks of one PP rank holding different layers."""
         self._check()
+        self._check_pp(key[1])
         infos = [info for info in reply.ranks if info.pp_rank == key[1]]
         if not infos:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
@@ -317,6 +374,15 @@ class NixlTransport:
                 why = "still draining reads" if old in self._draining else f"already serves {old.key}"
                 raise TransportError(f"remote agent {info.agent!r} {why}")
             decoded.append((info, decode_rank_metadata(info.metadata)))
+        pairing: list[tuple[tuple[int, ...], tuple[Region, ...]]] = []
+        for info, meta in decoded:
+            remote_layers = _layers_of(meta)
+            if set(remote_layers) != set(_layers_of(decoded[0][1])):
+                raise LayerError(f"{key} tp_rank {info.tp_rank} holds other layers than tp_rank "
+                                 f"{decoded[0][0].tp_rank}: TP ranks of one PP rank hold the same layers")
+            pos = local_positions(self._layer_pos, remote_layers,
+                                  remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
+            pairing.append((pos, tuple(self.regions[i] for i in pos)))
         if key in self.peers:  # a fresh reply for a connected engine replaces it
             self.drop_peer(key)
             if any(p.key == key for p in self._draining):
@@ -324,13 +390,13 @@ class NixlTransport:
         added: list[str] = []
         ranks: dict[int, _Peer] = {}
         try:
-            for info, meta in decoded:
+            for (info, meta), (pos, local_regions) in zip(decoded, pairing, strict=True):
                 name = self.agent.add_remote_agent(meta.agent_metadata)
                 name = name.decode() if isinstance(name, bytes) else str(name)
                 added.append(name)
                 if name != info.agent:
                     raise TransportError(f"NIXL metadata names agent {name!r}, the reply says {info.agent!r}")
-                ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta)
+                ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta, pos, local_regions)
         except Exception as exc:
             for name in added:
                 self._remove_agent(name)
@@ -338,9 +404,27 @@ class NixlTransport:
                 raise
             raise TransportError(f"cannot add remote agents of {key}: {type(exc).__name__}: {exc}") from exc
         self.peers[key] = ranks
+        self._coverage.pop(key[0], None)
         for peer in ranks.values():
             self._agents[peer.agent] = peer
         self._disconnected.discard(key)
+
+    def _check_pp(self, pp_rank: int) -> None:
+        if pp_rank > 0 and not self.capabilities.supports_pp:
+            raise TransportError(f"NixlTransport {self.agent_name!r} does not support pipeline parallelism "
+                                 f"(supports_pp=False): refusing remote pp_rank {pp_rank}")
+
+    def _coverage_problem(self, engine_id: str) -> str | None:
+        """Why the connected PP ranks of ``engine_id`` do not hold each local layer exactly once
+        (cached until a rank of that engine is added or dropped)."""
+        try:
+            return self._coverage[engine_id]
+        except KeyError:
+            pass
+        served = {pp: next(iter(ranks.values())).layers for (eid, pp), ranks in self.peers.items()
+                  if eid == engine_id and ranks}
+        why = self._coverage[engine_id] = coverage_problem(self.layers, served)
+        return why
 
     def drop_peer(self, key: EngineKey) -> None:
         """Forget ``key`` now; remove its agents once none of our reads to them is alive."""
@@ -348,6 +432,7 @@ class NixlTransport:
         ranks = self.peers.pop(key, None)
         if ranks is None:
             return
+        self._coverage.pop(key[0], None)
         for peer in ranks.values():
             if peer.reads:
                 self._draining.append(peer)
@@ -376,20 +461,22 @@ class NixlTransport:
         src = cmd.source
         peer = self.peers.get((cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
         if peer is None:
+            self._check_pp(src.pp_rank)
             raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
         key = (cmd.request_id, src.pp_rank, src.tp_rank)
         if key in self.reads:
             raise TransportError(f"read {key} is already in flight")
         if len(cmd.local_blocks) != len(cmd.remote_blocks):
             raise TransportError(f"{len(cmd.local_blocks)} local blocks for {len(cmd.remote_blocks)} remote blocks")
-        if len(peer.regions) != len(self.regions):
-            raise TransportError(f"peer has {len(peer.regions)} KV regions, this rank {len(self.regions)}")
         note = notify_codec.encode(cmd.notification)
         if not cmd.local_blocks:  # nothing to move: the notification alone, as a completed read
             self.agent.send_notif(peer.agent, note)
             self.reads[key] = _Read(cmd, peer, None, "DONE")
             peer.reads += 1
             return
+        why = self._coverage_problem(cmd.engine_id)
+        if why is not None:
+            raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
         try:
             if self.xfer_mode == "prepped":
                 handle = self._prepped_xfer(cmd, peer, note)
@@ -409,7 +496,7 @@ class NixlTransport:
         src = cmd.source
         geometry = (src.local_slices, src.local_slice, src.remote_slices, src.remote_slice)
         if geometry not in peer.geometries:  # checked once per peer and slice geometry
-            for lreg, rreg in zip(self.regions, peer.regions, strict=True):
+            for lreg, rreg in zip(peer.local_regions, peer.regions, strict=True):
                 llen = slice_span(lreg.stride, src.local_slices, src.local_slice)[1]
                 rlen = slice_span(rreg.stride, src.remote_slices, src.remote_slice)[1]
                 if llen != rlen:
@@ -417,9 +504,10 @@ class NixlTransport:
             peer.geometries.add(geometry)
         local = self._local_list(src.local_slices, src.local_slice)
         remote = self._remote_list(peer, src.remote_slices, src.remote_slice)
-        # Region-major indices; every region of a rank has the same block count.
-        li = block_indices(cmd.local_blocks, self.regions[0].num_blocks, len(self.regions))
-        ri = block_indices(cmd.remote_blocks, peer.regions[0].num_blocks, len(peer.regions))
+        # Region-major indices; every region of a rank has the same block count. Remote region k
+        # pairs with local region peer.local_pos[k] (the same layer).
+        li, ri = read_indices(cmd.local_blocks, cmd.remote_blocks, self.regions[0].num_blocks,
+                              peer.regions[0].num_blocks, peer.local_pos)
         return self.agent.make_prepped_xfer("READ", local, li, remote, ri, note)
 
     def _local_list(self, slices: int, index: int) -> Any:
@@ -439,7 +527,7 @@ class NixlTransport:
 
     def _descs_xfer(self, cmd: PostRead, peer: _Peer, note: bytes) -> Any:
         src = cmd.source
-        dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, self.regions, peer.regions,
+        dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, peer.local_regions, peer.regions,
                             local_slice=src.local_slice, local_slices=src.local_slices,
                             remote_slice=src.remote_slice, remote_slices=src.remote_slices)
         return self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(dl, self.kind),
@@ -549,6 +637,7 @@ class NixlTransport:
         self._check()
         peer = self.peers.get(key, {}).get(tp_rank)
         if peer is None:
+            self._check_pp(key[1])
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
         self.agent.send_notif(peer.agent, notify_codec.encode(message))
 
@@ -602,6 +691,11 @@ def _regions(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Region, ...], MemKi
     return tuple(regions), kinds.pop()
 
 
+def _layers_of(meta: NixlRankMetadata) -> tuple[int, ...]:
+    """The layer id of each region (set by :func:`decode_rank_metadata`; else the position)."""
+    return tuple(i if r.layer is None else r.layer for i, r in enumerate(meta.regions))
+
+
 def _all_blocks(regions: Sequence[Region], slices: int, index: int) -> npt.NDArray[np.uint64]:
     """Every block's slice of every region, region-major: the list a prepared handle indexes."""
     parts = []
@@ -637,15 +731,23 @@ class _Never(Exception):
 
 
 def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
-                backends: list[str], num_threads: int) -> Any:
+                backends: list[str], num_threads: int, params: dict[str, str]) -> Any:
     """A ``nixl_agent`` with the given backends; with ``delay_us`` set, its progress thread
     sleeps that long between rounds. NIXL's Python API hardcodes no delay, so in that case the
     binding-level agent is created with our configuration and the backends are created on it
     through the public ``create_backend``. A NIXL whose Python API is laid out differently gets
     its own default agent, with a warning."""
-    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
+    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+    init.update(params)
     if delay_us is None or not progress_thread:
-        return api.nixl_agent(name, conf)
+        if not init:
+            conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends)
+            return api.nixl_agent(name, conf)
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        for backend in backends:
+            agent.create_backend(backend, init)
+        return agent
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
     bindings = getattr(api, "nixlBind", None)
     if bindings is None or not hasattr(bindings, "nixlAgentConfig") or not hasattr(api.nixl_agent, "create_backend"):
         _log.warning("this NIXL's Python API cannot set the progress thread's delay; using NIXL's default")
@@ -659,7 +761,6 @@ def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: 
     cfg.lthrDelay = 100000
     cfg.captureTelemetry = False
     agent.agent = bindings.nixlAgent(name, cfg)  # the agent without backends is dropped
-    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
     for backend in backends:
         agent.create_backend(backend, init)
     return agent

@@ -4,6 +4,11 @@ The "network" is a :class:`TorchNetwork`, a registry shared by the transports of
 process: each :class:`TorchTransport` is an agent in it, owning a worker's KV
 tensors (each shaped ``[num_blocks, ...]``, contiguous, like the NIXL transport's).
 
+Regions pair by layer, like NIXL's (:mod:`transports.layers`): each tensor has a
+layer id (``layers``, by default its position) and a read from a remote rank fills
+the local regions of the layers that rank holds, so PP ranks holding some layers
+each can be read into a consumer holding all of them.
+
 Reads are coalesced like NIXL's (:mod:`transports.coalesce`, so slices when TP
 sizes differ) and carried out by a small thread pool. A read waits its configured
 ``latency_s``, then copies descriptor by descriptor (long descriptors in chunks of
@@ -43,6 +48,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -60,17 +66,42 @@ from pdfsm.events import (
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
 from transports.base import Capabilities, Clock, Submit, TransportError
 from transports.coalesce import Region, SliceError, read_descs
+from transports.layers import LayerError, check_layers, coverage_problem, local_positions
 
-__all__ = ["TorchNetwork", "TorchRankMetadata", "TorchTransport"]
+__all__ = ["TorchNetwork", "TorchRankMetadata", "TorchRankMetadataV1", "TorchTransport", "decode_torch_metadata"]
 
 
-class TorchRankMetadata(msgspec.Struct, frozen=True, tag="torch/1", gc=False):
-    """What a rank publishes: per region, (block stride in bytes, block count)."""
+class TorchRankMetadata(msgspec.Struct, frozen=True, tag="torch/2", gc=False):
+    """What a rank publishes: per region, (block stride in bytes, block count, layer id).
+    ``"torch/1"`` had no layer id; it still decodes, layers by position."""
+
+    regions: tuple[tuple[int, int, int], ...]
+
+
+class TorchRankMetadataV1(msgspec.Struct, frozen=True, tag="torch/1", gc=False):
+    """Before layer ids: per region, (block stride in bytes, block count)."""
 
     regions: tuple[tuple[int, int], ...]
 
 
-_meta_decoder = msgspec.msgpack.Decoder(TorchRankMetadata)
+_meta_decoder = msgspec.msgpack.Decoder(TorchRankMetadata | TorchRankMetadataV1)
+
+
+def decode_torch_metadata(raw: bytes) -> TorchRankMetadata:
+    """Either version, as ``"torch/2"`` (``"torch/1"`` regions get their positions as layers)."""
+    meta: TorchRankMetadata | TorchRankMetadataV1 = _meta_decoder.decode(raw)
+    if isinstance(meta, TorchRankMetadataV1):
+        return TorchRankMetadata(tuple((stride, n, i) for i, (stride, n) in enumerate(meta.regions)))
+    return meta
+
+
+class _Remote(NamedTuple):
+    """A remote rank: its agent, and for each of its regions (in order) the local region with
+    the same layer."""
+
+    agent: str
+    layers: tuple[int, ...]
+    local_pos: tuple[int, ...]
 
 
 class TorchNetwork:
@@ -114,8 +145,9 @@ class TorchNetwork:
 class _Read:
     __slots__ = ("cancel", "cmd", "peer", "plan")
 
-    def __init__(self, cmd: PostRead, peer: str, plan: list[tuple[int, list[tuple[int, int, int]]]]) -> None:
-        self.cmd, self.peer, self.plan = cmd, peer, plan  # plan: (region, [(local off, remote off, len)])
+    def __init__(self, cmd: PostRead, peer: str, plan: list[tuple[int, int, list[tuple[int, int, int]]]]) -> None:
+        # plan: (local region, remote region, [(local offset, remote offset, length)])
+        self.cmd, self.peer, self.plan = cmd, peer, plan
         self.cancel = threading.Event()
 
 
@@ -128,6 +160,7 @@ class TorchTransport:
         agent_name: str,
         kv_caches: Sequence[torch.Tensor],
         *,
+        layers: Sequence[int] | None = None,
         pp_rank: int = 0,
         tp_rank: int = 0,
         supports_pp: bool = True,
@@ -137,6 +170,8 @@ class TorchTransport:
     ) -> None:
         if latency_s < 0 or workers < 1 or chunk_bytes < 1:
             raise ValueError("latency_s must be >= 0, workers and chunk_bytes >= 1")
+        if pp_rank > 0 and not supports_pp:
+            raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.network, self.agent_name = network, agent_name
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.latency_s, self.chunk_bytes = latency_s, chunk_bytes
@@ -154,10 +189,13 @@ class TorchTransport:
             flat = t.view(-1).view(torch.uint8)
             self.flat.append(flat)
             self.regions.append(Region(0, flat.numel() // int(t.shape[0]), int(t.shape[0])))
+        self.layers = check_layers(layers, len(self.regions))
+        self._layer_pos = {x: i for i, x in enumerate(self.layers)}
         kinds = {"VRAM" if t.is_cuda else "DRAM" for t in self.tensors}
         self.capabilities = Capabilities(name="torch", supports_pp=supports_pp,
                                          memory_kinds=frozenset({"DRAM", *kinds}))
-        self.peers: dict[EngineKey, dict[int, str]] = {}
+        self.peers: dict[EngineKey, dict[int, _Remote]] = {}
+        self._coverage: dict[str, str | None] = {}  # engine id -> why its PP ranks' layers do not fill ours
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self._reads_lock = threading.Lock()
         self.inbox: deque[tuple[str, bytes]] = deque()
@@ -175,13 +213,23 @@ class TorchTransport:
         self._submit(ev)  # type: ignore[arg-type]
 
     def rank_info(self) -> RankInfo:
-        meta = msgspec.msgpack.encode(TorchRankMetadata(tuple((r.stride, r.num_blocks) for r in self.regions)))
+        meta = msgspec.msgpack.encode(TorchRankMetadata(tuple(
+            (r.stride, r.num_blocks, x) for r, x in zip(self.regions, self.layers, strict=True))))
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=meta)
 
     # --- peers ------------------------------------------------------------------------------------
 
+    def _check_pp(self, pp_rank: int) -> None:
+        if pp_rank > 0 and not self.capabilities.supports_pp:
+            raise TransportError(f"TorchTransport {self.agent_name!r} does not support pipeline parallelism "
+                                 f"(supports_pp=False): refusing remote pp_rank {pp_rank}")
+
     def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
-        ranks: dict[int, str] = {}
+        """Refused like NIXL's: pp_rank > 0 without PP support, a remote layer this rank does
+        not hold, TP ranks of one PP rank holding different layers; and metadata that does not
+        describe the peer's memory."""
+        self._check_pp(key[1])
+        ranks: dict[int, _Remote] = {}
         for info in reply.ranks:
             if info.pp_rank != key[1]:
                 continue
@@ -189,18 +237,39 @@ class TorchTransport:
             if peer is None:
                 raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
             try:
-                meta = _meta_decoder.decode(info.metadata)
+                meta = decode_torch_metadata(info.metadata)
             except msgspec.DecodeError as exc:
                 raise TransportError(f"bad rank metadata from {info.agent!r}: {exc}") from None
-            if list(meta.regions) != [(r.stride, r.num_blocks) for r in peer.regions]:
+            layers = tuple(x for _, _, x in meta.regions)
+            check_layers(layers, len(layers), where=f"rank metadata of {info.agent!r}")
+            if list(meta.regions) != [(r.stride, r.num_blocks, x) for r, x in zip(peer.regions, peer.layers,
+                                                                                   strict=True)]:
                 raise TransportError(f"rank metadata of {info.agent!r} does not describe its memory")
-            ranks[info.tp_rank] = info.agent
+            if ranks and set(layers) != set(next(iter(ranks.values())).layers):
+                raise LayerError(f"{key} tp_rank {info.tp_rank} holds other layers than tp_rank "
+                                 f"{next(iter(ranks))}: TP ranks of one PP rank hold the same layers")
+            pos = local_positions(self._layer_pos, layers,
+                                  remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
+            ranks[info.tp_rank] = _Remote(info.agent, layers, pos)
         if not ranks:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
         self.peers[key] = ranks
+        self._coverage.pop(key[0], None)
 
     def drop_peer(self, key: EngineKey) -> None:
-        self.peers.pop(key, None)
+        if self.peers.pop(key, None) is not None:
+            self._coverage.pop(key[0], None)
+
+    def _coverage_problem(self, engine_id: str) -> str | None:
+        """Why the connected PP ranks of ``engine_id`` do not hold each local layer exactly once."""
+        try:
+            return self._coverage[engine_id]
+        except KeyError:
+            pass
+        served = {pp: next(iter(ranks.values())).layers for (eid, pp), ranks in self.peers.items()
+                  if eid == engine_id and ranks}
+        why = self._coverage[engine_id] = coverage_problem(self.layers, served)
+        return why
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -208,22 +277,26 @@ class TorchTransport:
         if self._closed:
             raise TransportError(f"TorchTransport {self.agent_name!r} is closed")
         src = cmd.source
-        name = self.peers.get((cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
-        if name is None:
+        remote = self.peers.get((cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
+        if remote is None:
+            self._check_pp(src.pp_rank)
             raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
+        name = remote.agent
         peer = self.network.reachable(name)
         if peer is None:
             raise TransportError(f"{name}: peer unreachable")
-        if len(peer.regions) != len(self.regions):
-            raise TransportError(f"peer has {len(peer.regions)} KV regions, this rank {len(self.regions)}")
-        plan: list[tuple[int, list[tuple[int, int, int]]]] = []
+        if cmd.local_blocks:
+            why = self._coverage_problem(cmd.engine_id)
+            if why is not None:
+                raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
+        plan: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         try:
-            for k, (lreg, rreg) in enumerate(zip(self.regions, peer.regions, strict=True)):
-                dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, [lreg], [rreg],
+            for rk, lk in enumerate(remote.local_pos):  # remote region rk into local region lk: one layer
+                dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, [self.regions[lk]], [peer.regions[rk]],
                                     local_slice=src.local_slice, local_slices=src.local_slices,
                                     remote_slice=src.remote_slice, remote_slices=src.remote_slices)
-                plan.append((k, [(int(a), int(b), int(n)) for (a, n, _), (b, _, _) in zip(dl.tolist(), dr.tolist(),
-                                                                                              strict=True)]))
+                plan.append((lk, rk, [(int(a), int(b), int(n)) for (a, n, _), (b, _, _)
+                                      in zip(dl.tolist(), dr.tolist(), strict=True)]))
         except SliceError as exc:
             raise TransportError(str(exc)) from None
         key = (cmd.request_id, src.pp_rank, src.tp_rank)
@@ -273,8 +346,8 @@ class TorchTransport:
         if self.latency_s and read.cancel.wait(self.latency_s):
             return HandleFailure.CANCELLED, "cancelled before the copy started"
         chunk = self.chunk_bytes
-        for k, descs in read.plan:
-            dst = self.flat[k]
+        for lk, rk, descs in read.plan:
+            dst = self.flat[lk]
             for loff, roff, length in descs:
                 for start in range(0, length, chunk):
                     if read.cancel.is_set():
@@ -283,16 +356,17 @@ class TorchTransport:
                     if peer is None:
                         return HandleFailure.DISCONNECTED, f"{read.peer} went away"
                     n = min(chunk, length - start)
-                    dst[loff + start:loff + start + n].copy_(peer.flat[k][roff + start:roff + start + n])
+                    dst[loff + start:loff + start + n].copy_(peer.flat[rk][roff + start:roff + start + n])
         return None, ""
 
     # --- notifications --------------------------------------------------------------------------
 
     def send(self, key: EngineKey, tp_rank: int, message: NotifyMessage) -> None:
-        name = self.peers.get(key, {}).get(tp_rank)
-        if name is None:
+        remote = self.peers.get(key, {}).get(tp_rank)
+        if remote is None:
+            self._check_pp(key[1])
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
-        self.network.deliver(self.agent_name, name, notify_codec.encode(message))
+        self.network.deliver(self.agent_name, remote.agent, notify_codec.encode(message))
 
     def progress(self) -> None:
         """Submit the notifications that arrived in this agent's inbox (reads report themselves)."""
