@@ -105,3 +105,20 @@ def test_every_log_replays_again_from_disk(tmp_path: Path) -> None:
     assert len(logs) == 4
     for log in logs:
         replay(read_log(log))
+
+
+def test_a_pp2_producer_is_read_layer_by_layer_by_a_pp1_consumer(tmp_path: Path) -> None:
+    """Each producer PP rank holds its own layers; the consumer reads every layer from the rank
+    that holds it (four agents on the prefill side) and verifies all of them."""
+    out = run(tmp_path, "--prefill-pp", "2", "--prefill-tp", "2", requests=4)
+    assert out.outcomes == {"received": 4} and out.released == 4
+    assert len(out.logs) == 5
+
+
+def test_a_consumer_without_pp_support_fails_at_once_and_reads_nothing(tmp_path: Path) -> None:
+    out = run(tmp_path, "--prefill-pp", "2", "--no-pp", "--lease-s", "3", requests=4)
+    assert out.outcomes == {"failed": 4}
+    assert all("pipeline parallelism" in reason for reason in out.reasons.values()), out.reasons
+    assert out.expired == 4  # the PP 1 ranks' leases: nothing could tell them
+    decode = read_log(tmp_path / "decode-pp0-tp0")
+    assert not any(type(r.event).__name__ in ("HandleDone", "HandleFailed") for r in decode)  # no read posted
