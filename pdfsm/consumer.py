@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-import msgspec
-
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
 from pdfsm.engine import EngineState, RemoteEngine
 from pdfsm.errors import UnsupportedPP
@@ -71,28 +69,27 @@ S = ConsumerState
 CONNECTED: Final[State] = EngineState.CONNECTED
 
 
-class ConsumerRequest(msgspec.Struct, eq=False, gc=False, repr_omit_defaults=True):
+class ConsumerRequest:
     """A decode-side request. Its parameters are the event that created it (``req``); the
-    rest is what changes, and only the owner thread, through the table, changes it.
+    rest is what changes, and only the owner thread, through the table, changes it."""
 
-    A Struct rather than a slotted class: one is created per request, and msgspec fills the
-    defaults in C (half the cost of an ``__init__``). Compared by identity (``eq=False``) and
-    not tracked by the garbage collector (``gc=False``): nothing it holds refers back to it.
-    """
+    __slots__ = ("deadline", "done", "engines", "error", "outcome", "pending", "plan",
+                 "remote_fault", "req", "request_id", "state", "waited", "waiting")
 
-    request_id: str
-    state: State = S.NEW
-    req: ReadRequested | None = None
-    plan: ReadPlan | None = None
-    engines: tuple[RemoteEngine, ...] = ()  # engines held: ready for it, or read from
-    waiting: int = 0  # bit p: still waiting for remote engine (engine_id, p)
-    waited: int = 0  # bit p: did wait for it (news from it may still be on its way)
-    pending: int = 0  # bit i: the read from plan.sources[i] has not stopped
-    done: int = 0  # bit i: the read from plan.sources[i] completed
-    deadline: int = 0  # 0: no deadline armed
-    error: str = ""  # the first failure, in words
-    remote_fault: bool = False
-    outcome: str = ""
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.state: State = S.NEW
+        self.req: ReadRequested | None = None
+        self.plan: ReadPlan | None = None
+        self.engines: tuple[RemoteEngine, ...] = ()  # engines held: ready for it, or read from
+        self.waiting = 0  # bit p: still waiting for remote engine (engine_id, p)
+        self.waited = 0  # bit p: did wait for it (news from it may still be on its way)
+        self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
+        self.done = 0  # bit i: the read from plan.sources[i] completed
+        self.deadline = 0  # 0: no deadline armed
+        self.error = ""  # the first failure, in words
+        self.remote_fault = False
+        self.outcome = ""
 
     def __repr__(self) -> str:
         return f"ConsumerRequest({self.request_id!r}, {self.state})"

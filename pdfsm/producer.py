@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-import msgspec
-
 from pdfsm.commands import FinishedSending
 from pdfsm.events import BlocksHeld, Heartbeat, LeaseExpired, NotificationReceived, StagedDropped
 from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
@@ -49,20 +47,22 @@ class ProducerState:
 S = ProducerState
 
 
-class ProducerRequest(msgspec.Struct, eq=False, gc=False, repr_omit_defaults=True):
-    """A prefill-side request's data. Only the owner thread, through the table, changes it.
+class ProducerRequest:
+    """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
-    A Struct for the reasons :class:`~pdfsm.consumer.ConsumerRequest` is one."""
+    __slots__ = ("block_ids", "deadline", "extended_to", "of", "outcome", "parts", "request_id", "state",
+                 "t_start")
 
-    request_id: str
-    state: State = S.NEW
-    block_ids: tuple[int, ...] = ()
-    of: int = 0  # parts expected, learnt from the first notification
-    parts: int = 0  # bit i: part i has notified
-    deadline: int = 0
-    extended_to: int = 0  # a heartbeat that arrived before registration promised the lease this long
-    outcome: str = ""
-    t_start: int = 0
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.state: State = S.NEW
+        self.block_ids: tuple[int, ...] = ()
+        self.of = 0  # parts expected, learnt from the first notification
+        self.parts = 0  # bit i: part i has notified
+        self.deadline = 0
+        self.extended_to = 0  # a heartbeat that arrived before registration promised the lease this long
+        self.outcome = ""
+        self.t_start = 0
 
     def __repr__(self) -> str:
         return f"ProducerRequest({self.request_id!r}, {self.state})"
