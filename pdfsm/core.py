@@ -30,7 +30,9 @@ from pdfsm import consumer, engine, producer
 from pdfsm.commands import Command
 from pdfsm.errors import LocalProtocolError, RemoteProtocolError
 from pdfsm.events import (
+    ALL_EVENTS,
     CONSUMER,
+    CORE,
     ENGINE,
     PRODUCER,
     BadMessage,
@@ -93,6 +95,8 @@ Step = tuple[Any, State, str, str, int, str, "tuple[str, Any] | None", int]
 Cell = tuple["Guard | None", Step, tuple[tuple["Guard | None", Step], ...]]
 Route = tuple[dict[Any, Any], dict[State, Cell], bool, str, Any, dict[Any, State], int]
 LIVES, ENDS, REMEMBERS, STAYS = 0, 1, 2, 3
+# The route of events no table takes: applied by the core itself (no maker).
+_CORE_ROUTE: Final[Route] = ({}, {}, False, "core", None, {}, CORE)
 
 
 def _step(state: State, opt: Option) -> Step:
@@ -144,8 +148,10 @@ class Core:
         # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
         # OrderedDict's bookkeeping costs more than this on the hot path).
         self._remembered: Final[dict[int, dict[Any, State]]] = {CONSUMER: {}, PRODUCER: {}, ENGINE: {}}
-        self._remembered_order: Final[deque[tuple[dict[Any, State], Any]]] = deque()
-        self._ready: dict[str, None] = {}
+        # (kind, key): atoms only, so the garbage collector untracks each entry after one look.
+        self._remembered_order: Final[deque[tuple[int, Any]]] = deque()
+        # Consumer requests to hand back at the next Collect, in order (always this one dict).
+        self.ready_ids: Final[dict[str, None]] = {}
         self._staged: OrderedDict[str, None] = OrderedDict()
         self._commands: list[Command] = []
         self._derived: deque[Event] = deque()  # events the core concluded, applied after their cause
@@ -170,8 +176,8 @@ class Core:
 
     def _build_routes(self) -> dict[type, Route]:
         """Per event type: (machines, compiled cells by state, keyed by engine, machine name, maker,
-        remembered, target)."""
-        routes: dict[type, Route] = {}
+        remembered, target); the core's own events have no maker."""
+        routes: dict[type, Route] = dict.fromkeys(ALL_EVENTS, _CORE_ROUTE)
         for target, machines, table, make in (
             (CONSUMER, self.consumers, self.tables.consumer, consumer.ConsumerRequest),
             (PRODUCER, self.producers, self.tables.producer, producer.ProducerRequest),
@@ -186,7 +192,7 @@ class Core:
     def refresh_logging(self) -> None:
         """Re-read which levels are enabled (the hot path only checks a cached flag)."""
         self._debug = _enabled(self._logger, logging.DEBUG)
-        self._info = _enabled(self._logger, logging.INFO)
+        self.log_info = _enabled(self._logger, logging.INFO)  # actions call finished() only when set
 
     # --- applying ------------------------------------------------------------------------------
 
@@ -220,7 +226,7 @@ class Core:
         per event held in locals, the next sequence number included (written back to the log
         whenever something else may read it, and on the way out).
         """
-        popleft, routes_get, log = queue.popleft, self._routes.get, self.log
+        popleft, routes, log = queue.popleft, self._routes, self.log
         window_append, derived = self._window_append, self._derived
         unsunk_append = self._unsunk_append if self._sinking else None
         debug = self._debug
@@ -229,13 +235,15 @@ class Core:
         try:
             while queue:
                 ev = popleft()
-                route = routes_get(type(ev))
-                if route is None:
+                try:
+                    machines, cells, by_engine, name, make, remembered, target = routes[type(ev)]
+                except KeyError:  # not an event type any table or the core knows: the core records it
+                    machines, cells, by_engine, name, make, remembered, target = _CORE_ROUTE
+                if make is None:  # a core event
                     log.next_seq = seq
                     self._apply_core_event(ev, cause)
                     seq = log.next_seq
                 else:
-                    machines, cells, by_engine, name, make, remembered, target = route
                     key = (ev.engine_id, ev.pp_rank) if by_engine else ev.request_id  # type: ignore[attr-defined]
                     m: Any = machines.get(key)
                     stored = m is not None
@@ -264,10 +272,10 @@ class Core:
                         if end == 2:
                             remembered[key] = dst
                             order = self._remembered_order
-                            order.append((remembered, key))
+                            order.append((target, key))
                             if len(order) > self._tombstones:
                                 old, old_key = order.popleft()
-                                old.pop(old_key, None)
+                                self._remembered[old].pop(old_key, None)
                     if fault is None:
                         row = (seq, ev, name, before, after, outcome, reason, None, cause)
                         seq += 1
@@ -307,9 +315,12 @@ class Core:
         if isinstance(ev, Tick):
             self._expire(ev.t_ns)
         elif isinstance(ev, Collect):
-            ready, self._ready = self._ready, {}
-            for rid in ready:
-                self.derive(Reported(source=Source.CORE, t_ns=ev.t_ns, request_id=rid))
+            ready = self.ready_ids
+            if ready:
+                t_ns, derive = ev.t_ns, self.derive
+                for rid in ready:
+                    derive(Reported(source=Source.CORE, t_ns=t_ns, request_id=rid))
+                ready.clear()
         elif isinstance(ev, BadMessage):
             sender = ev.sender or "unknown sender"
             reason = f"undecodable {ev.channel} message from {sender}: {ev.error}"
@@ -385,7 +396,7 @@ class Core:
             pp += 1
 
     def ready(self, m: consumer.ConsumerRequest) -> None:
-        self._ready[m.request_id] = None
+        self.ready_ids[m.request_id] = None
 
     def stage(self, m: producer.ProducerRequest) -> None:
         self._staged[m.request_id] = None
@@ -401,7 +412,7 @@ class Core:
     def finished(self, m: consumer.ConsumerRequest | producer.ProducerRequest, outcome: str, t_ns: int) -> None:
         """A request is done; one line at info (a warning when blocks were released by expiry)."""
         m.outcome = outcome
-        if not self._info:
+        if not self.log_info:
             return
         side = "consumer" if isinstance(m, consumer.ConsumerRequest) else "producer"
         fields: dict[str, Any] = {"side": side, "request_id": m.request_id, "outcome": outcome,
@@ -434,4 +445,4 @@ class Core:
 
     @property
     def pending_hand_offs(self) -> int:
-        return len(self._ready)
+        return len(self.ready_ids)
