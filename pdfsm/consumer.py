@@ -122,7 +122,8 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     blocks = ev.local_blocks
     if not blocks or ev.remote_pp != 1 or len(blocks) != len(ev.remote_blocks):
         return False
-    if ev.deadline is not None and ev.deadline.clock != core.config.clock:
+    d = ev.deadline
+    if d is not None and d.clock != core.config.clock:
         return False
     if ev.lease_ns and deadline_of(ev, core) <= ev.t_ns:
         return False
@@ -194,8 +195,7 @@ def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
 
 def _last_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
     """The common case: the event completes the only read still in flight, in time."""
-    plan = m.plan
-    i = plan.position.get((ev.pp_rank, ev.tp_rank)) if plan is not None else None
+    i = m.plan.position.get((ev.pp_rank, ev.tp_rank)) if m.plan is not None else None
     return i is not None and m.pending == 1 << i and (not m.deadline or ev.t_ns < m.deadline)
 
 
@@ -275,13 +275,28 @@ def _post_reads(m: ConsumerRequest, core: Core) -> None:
 
 
 def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    # _accept and _arm_deadline, spelt out: this runs for nearly every request. Guards before
-    # it computed (and cached) the plan, so it is there.
+    """_accept, _arm_deadline and _post_reads, spelt out for a plan with a single source: this
+    runs for nearly every request. Guards before it computed (and cached) the plan."""
     m.req = ev
-    m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
-    m.deadline = deadline_of(ev, core)
-    core.deadlines.arm(m.request_id, m.deadline)
-    _post_reads(m, core)
+    plan = m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
+    if ev.deadline is None and not ev.lease_ns:
+        deadline = ev.t_ns + core.config.read_timeout_ns
+    else:
+        deadline = deadline_of(ev, core)
+    m.deadline = deadline
+    rid = m.request_id
+    core.deadlines.arm(rid, deadline)
+    src = plan.single
+    if src is None or m.engines:
+        _post_reads(m, core)
+        return
+    eid = ev.engine_id
+    core.emit(PostRead(rid, eid, src, ev.local_blocks, ev.remote_blocks,
+                       Notification(ev.remote_request_id, plan.part, plan.of)))
+    m.pending = 1
+    e = core.engines[(eid, src.pp_rank)]
+    e.readers += 1
+    m.engines = (e,)
 
 
 def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -457,15 +472,17 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     """The last read completed: _last_stopped for a HandleDone, spelt out for the common case."""
     plan = m.plan
     assert plan is not None
-    m.done |= m.pending
+    done = m.done = m.done | m.pending
     m.pending = 0
-    _let_go(m)
+    for e in m.engines:  # _let_go
+        e.readers -= 1
+    m.engines = ()
     if m.deadline:
         core.deadlines.disarm(m.request_id, m.deadline)
         m.deadline = 0
-    if m.done != plan.all_read or plan.notify_only:
+    if done != plan.all_read or plan.notify_only:
         _notify_unread(m, core)
-    core.ready(m)
+    core.ready_ids[m.request_id] = None  # core.ready
 
 
 def _cancel_reads(m: ConsumerRequest, core: Core) -> None:
@@ -499,7 +516,9 @@ def _hand_off(m: ConsumerRequest, ev: Reported, core: Core) -> None:
     st = m.state
     if st is S.NOTIFIED:
         core.emit(HandOff(request_id=m.request_id, outcome="received"))
-        core.finished(m, "received", ev.t_ns)
+        m.outcome = "received"  # core.finished, called only when it has a line to write
+        if core.log_info:
+            core.finished(m, "received", ev.t_ns)
     elif st is S.FAILED:
         core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks,
                           policy=core.config.policy, reason=m.error))

@@ -30,7 +30,9 @@ from pdfsm import consumer, engine, producer
 from pdfsm.commands import Command
 from pdfsm.errors import LocalProtocolError, RemoteProtocolError
 from pdfsm.events import (
+    ALL_EVENTS,
     CONSUMER,
+    CORE,
     ENGINE,
     PRODUCER,
     BadMessage,
@@ -51,7 +53,7 @@ from pdfsm.events import (
     Started,
     Tick,
 )
-from pdfsm.fsm import GO, IGNORE, Fault, State, Table
+from pdfsm.fsm import Fault, Go, Guard, Ignore, Option, State, Table
 from pdfsm.log import EventLog, Outcome, Record
 from pdfsm.timers import Timers
 from pdfsm.topology import Layout, ReadPlan, read_plan
@@ -80,6 +82,38 @@ class Tables:
         self.consumer = consumer
         self.producer = producer
         self.engine = engine
+
+
+# A table option compiled for the apply loop: (action, dst, before, after, outcome, reason, fault,
+# end). ``dst`` is the state after (the same for an ignore or an illegal event), ``before`` and
+# ``after`` are state names; ``fault`` is None or (Fault value, explain);
+# ``end`` says what becomes of the machine: LIVES (a transition to a live state: kept), ENDS (to a
+# terminal state: forgotten), REMEMBERS (to a remembered terminal state: kept as a tombstone) or
+# STAYS (ignored or illegal: untouched). The loop tests ``end`` against these literal values.
+Step = tuple[Any, State, str, str, int, str, "tuple[str, Any] | None", int]
+# A cell compiled: its first option's guard and step, then the (guard, step) of the others.
+Cell = tuple["Guard | None", Step, tuple[tuple["Guard | None", Step], ...]]
+Route = tuple[dict[Any, Any], dict[State, Cell], bool, str, Any, dict[Any, State], int]
+LIVES, ENDS, REMEMBERS, STAYS = 0, 1, 2, 3
+# The route of events no table takes: applied by the core itself (no maker).
+_CORE_ROUTE: Final[Route] = ({}, {}, False, "core", None, {}, CORE)
+
+
+def _step(state: State, opt: Option) -> Step:
+    fault = None if opt.fault is None else (opt.fault.value, getattr(opt, "explain", None))
+    if isinstance(opt, Go):
+        dst = opt.dst
+        end = (REMEMBERS if dst in REMEMBERED else ENDS) if dst.terminal else LIVES
+        return (opt.action, dst, state.name, dst.name, APPLIED, opt.reason if fault else "", fault, end)
+    outcome = IGNORED if isinstance(opt, Ignore) else REJECTED
+    return (None, state, state.name, state.name, outcome, opt.reason, fault, STAYS)
+
+
+def _compile(state: State, options: tuple[Option, ...]) -> Cell:
+    """The options of one (state, event type) cell, in table order, as the apply loop reads them:
+    the same decisions, fewer attribute loads."""
+    first, *rest = options
+    return (first.when, _step(state, first), tuple((o.when, _step(state, o)) for o in rest))
 
 
 def _enabled(logger: Any, level: int) -> bool:
@@ -114,11 +148,14 @@ class Core:
         # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
         # OrderedDict's bookkeeping costs more than this on the hot path).
         self._remembered: Final[dict[int, dict[Any, State]]] = {CONSUMER: {}, PRODUCER: {}, ENGINE: {}}
-        self._remembered_order: Final[deque[tuple[int, dict[Any, State], Any]]] = deque()
-        self._ready: dict[str, None] = {}
+        # (time, kind, key): atoms only, so the garbage collector untracks each entry after one look.
+        self._remembered_order: Final[deque[tuple[int, int, Any]]] = deque()
+        # Consumer requests to hand back at the next Collect, in order (always this one dict).
+        self.ready_ids: Final[dict[str, None]] = {}
         self._staged: OrderedDict[str, None] = OrderedDict()
         self._commands: list[Command] = []
-        self._derived: list[Event] = []
+        self._derived: deque[Event] = deque()  # events the core concluded, applied after their cause
+        self._one: deque[Event] = deque()  # apply()'s queue of one
         # Bound methods, not wrappers: one Python frame less on every event (see benchmarks/apply.py).
         self.submit: Final = self.log.submit  # any thread; pump() applies on the owner thread
         self.emit: Final = self._commands.append  # actions: a command for the adapter
@@ -138,124 +175,142 @@ class Core:
         self.refresh_logging()
         self.apply(Started(source=Source.CORE, t_ns=t_ns, config=config))
 
-    def _build_routes(self) -> dict[type, tuple[int, dict[Any, Any], dict[State, Any], str, Any, dict[Any, State]]]:
-        """Per event type: (target, machines, options by state, machine name, maker, remembered)."""
-        routes = {}
+    def _build_routes(self) -> dict[type, Route]:
+        """Per event type: (machines, compiled cells by state, keyed by engine, machine name, maker,
+        remembered, target); the core's own events have no maker."""
+        routes: dict[type, Route] = dict.fromkeys(ALL_EVENTS, _CORE_ROUTE)
         for target, machines, table, make in (
             (CONSUMER, self.consumers, self.tables.consumer, consumer.ConsumerRequest),
             (PRODUCER, self.producers, self.tables.producer, producer.ProducerRequest),
             (ENGINE, self.engines, self.tables.engine, engine.RemoteEngine),
         ):
             for etype in table.events:
-                by_state = {s: table.dispatch[s][etype] for s in table.states}
-                routes[etype] = (target, machines, by_state, table.name, make, self._remembered[target])
+                cells = {s: _compile(s, table.dispatch[s][etype]) for s in table.states}
+                routes[etype] = (machines, cells, target == ENGINE, table.name, make, self._remembered[target],
+                                 target)
         return routes
 
     def refresh_logging(self) -> None:
         """Re-read which levels are enabled (the hot path only checks a cached flag)."""
         self._debug = _enabled(self._logger, logging.DEBUG)
-        self._info = _enabled(self._logger, logging.INFO)
+        self.log_info = _enabled(self._logger, logging.INFO)  # actions call finished() only when set
 
     # --- applying ------------------------------------------------------------------------------
 
     def pump(self) -> int:
-        """Apply every queued event, in order, then flush the log. Owner thread only."""
-        inbox, n = self.log.inbox, 0
+        """Apply every queued event, in order, then flush the log; returns how many. Owner thread only."""
         dropped = self.log.take_dropped()
         if dropped:
             self.apply(Dropped(source=Source.CORE, t_ns=self._last_t, count=sum(dropped.values()),
                                by_source=dict(dropped)))
-        apply_one, derived = self._apply_one, self._derived
         try:
-            while inbox:
-                seq = apply_one(inbox.popleft(), None)
-                n += 1
-                if derived:  # inline rather than through apply(): this loop runs for every event
-                    self._cascade(seq)
+            return self._drain(self.log.inbox, None)
         finally:
             self.log.flush()
-        return n
 
     def apply(self, ev: Event) -> int:
         """Apply one event and everything it derives, now; returns the event's sequence number.
 
         Owner thread only: tests, replay and adapters that own the core call this directly.
         """
-        seq = self._apply_one(ev, None)
-        if self._derived:
-            self._cascade(seq)
+        seq = self.log.next_seq
+        self._one.append(ev)
+        self._drain(self._one, None)
         return seq
 
-    def _cascade(self, root: int) -> None:
-        derived = self._derived
+    def _drain(self, queue: deque[Event], cause: int | None) -> int:
+        """Apply the events of ``queue`` in order until it is empty; returns how many.
+
+        Root events (``cause`` None) are followed at once by everything they derived, applied by
+        a nested call with the root's sequence number as their cause. This is the hot loop: one
+        frame for a whole batch, the tables' cells precompiled (:func:`_compile`), what it reads
+        per event held in locals, the next sequence number included (written back to the log
+        whenever something else may read it, and on the way out).
+        """
+        popleft, routes, log = queue.popleft, self._routes, self.log
+        window_append, derived = self._window_append, self._derived
+        unsunk_append = self._unsunk_append if self._sinking else None
+        debug = self._debug
+        first = seq = log.next_seq
+        n_derived = 0
         try:
-            i = 0
-            while i < len(derived):
-                self._apply_one(derived[i], root)
-                i += 1
+            while queue:
+                ev = popleft()
+                try:
+                    machines, cells, by_engine, name, make, remembered, target = routes[type(ev)]
+                except KeyError:  # not an event type any table or the core knows: the core records it
+                    machines, cells, by_engine, name, make, remembered, target = _CORE_ROUTE
+                if make is None:  # a core event
+                    log.next_seq = seq
+                    self._apply_core_event(ev, cause)
+                    seq = log.next_seq
+                else:
+                    key = (ev.engine_id, ev.pp_rank) if by_engine else ev.request_id  # type: ignore[attr-defined]
+                    m: Any = machines.get(key)
+                    stored = m is not None
+                    if not stored:
+                        m = make(key)
+                        if remembered:  # late news for a request already finished: classify, do not restart
+                            was = remembered.get(key)
+                            if was is not None:
+                                m.state = was
+                    when, step, rest = cells[m.state]
+                    if when is not None and not when(m, ev, self):
+                        for when, step in rest:  # noqa: B007 (the step is the one the loop stops at)
+                            if when is None or when(m, ev, self):
+                                break
+                    action, dst, before, after, outcome, reason, fault, end = step
+                    if action is not None:
+                        action(m, ev, self)
+                    if not end:  # LIVES
+                        m.state = dst
+                        if not stored:
+                            machines[key] = m
+                    elif end < 3:  # ENDS or REMEMBERS: a terminal state
+                        m.state = dst
+                        if stored:
+                            del machines[key]
+                        if end == 2:
+                            remembered[key] = dst
+                            order = self._remembered_order
+                            t = ev.t_ns
+                            order.append((t, target, key))
+                            # Bounded by count and by age, so memory is flat in a long run at any rate.
+                            while len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns:
+                                _, old, old_key = order.popleft()
+                                self._remembered[old].pop(old_key, None)
+                    if fault is None:
+                        row = (seq, ev, name, before, after, outcome, reason, None, cause)
+                        seq += 1
+                        window_append(row)
+                        if unsunk_append is not None:
+                            unsunk_append(row)
+                    else:
+                        blame, explain = fault
+                        if explain is not None:  # a fault-handling transition says what went wrong
+                            reason = explain(m, ev, self)
+                        frow = (seq, ev, name, before, after, outcome, reason, blame, cause)
+                        seq += 1
+                        log.next_seq = seq
+                        window_append(frow)
+                        if unsunk_append is not None:
+                            unsunk_append(frow)
+                        self._violation(frow, target, key, m if stored else None)
+                    if debug:
+                        self._logger.debug("transition", seq=seq - 1, machine=name, key=key,
+                                           event_type=type(ev).__name__, before=before, after=after,
+                                           outcome=Outcome(outcome).name, reason=reason or None, cause=cause)
+                if derived and cause is None:
+                    log.next_seq = seq
+                    try:
+                        n_derived += self._drain(derived, seq - 1)
+                    except BaseException:
+                        derived.clear()
+                        raise
+                    seq = log.next_seq
         finally:
-            derived.clear()
-
-    def _apply_one(self, ev: Event, cause: int | None) -> int:
-        route = self._routes.get(type(ev))
-        if route is None:
-            return self._apply_core_event(ev, cause)
-        target, machines, by_state, name, make, remembered = route
-        key = ev.request_id if target != ENGINE else (ev.engine_id, ev.pp_rank)  # type: ignore[attr-defined]
-        m = machines.get(key)
-        stored = m is not None
-        if m is None:
-            m = make(key)
-            if remembered:  # late news for a request already finished: classify, do not restart
-                was = remembered.get(key)
-                if was is not None:
-                    m.state = was
-        before = m.state
-        for opt in by_state[before]:
-            when = opt.when
-            if when is None or when(m, ev, self):
-                break
-        log = self.log
-        seq = log.next_seq
-        log.next_seq = seq + 1
-        if opt.kind == GO:
-            action = opt.action
-            if action is not None:
-                action(m, ev, self)
-            after = m.state = opt.dst
-            if after.terminal:
-                if stored:
-                    del machines[key]
-                if after in REMEMBERED:
-                    remembered[key] = after
-                    order = self._remembered_order
-                    t = ev.t_ns
-                    order.append((t, remembered, key))
-                    # Bounded by count and by age, so memory is flat in a long run at any rate.
-                    while len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns:
-                        _, old, old_key = order.popleft()
-                        old.pop(old_key, None)
-            elif not stored:
-                machines[key] = m
-            if opt.fault is None:
-                row = (seq, ev, name, before.name, after.name, APPLIED, "", None, cause)
-            else:
-                reason = opt.explain(m, ev, self) if opt.explain is not None else opt.reason
-                row = (seq, ev, name, before.name, after.name, APPLIED, reason, opt.fault.value, cause)
-        elif opt.kind == IGNORE:
-            row = (seq, ev, name, before.name, before.name, IGNORED, opt.reason, None, cause)
-        else:
-            row = (seq, ev, name, before.name, before.name, REJECTED, opt.reason, opt.fault.value, cause)
-        self._window_append(row)
-        if self._sinking:
-            self._unsunk_append(row)
-        if opt.fault is not None:
-            self._violation(row, target, key, m if stored else None)
-        if self._debug:
-            self._logger.debug("transition", seq=seq, machine=name, key=key, event_type=type(ev).__name__,
-                               before=before.name, after=row[4], outcome=Outcome(row[5]).name,
-                               reason=row[6] or None, cause=cause)
-        return seq
+            log.next_seq = seq
+        return seq - first - n_derived  # one record per event applied
 
     def _apply_core_event(self, ev: Event, cause: int | None) -> int:
         self._last_t = ev.t_ns
@@ -263,9 +318,12 @@ class Core:
         if isinstance(ev, Tick):
             self._expire(ev.t_ns)
         elif isinstance(ev, Collect):
-            ready, self._ready = self._ready, {}
-            for rid in ready:
-                self.derive(Reported(source=Source.CORE, t_ns=ev.t_ns, request_id=rid))
+            ready = self.ready_ids
+            if ready:
+                t_ns, derive = ev.t_ns, self.derive
+                for rid in ready:
+                    derive(Reported(source=Source.CORE, t_ns=t_ns, request_id=rid))
+                ready.clear()
         elif isinstance(ev, BadMessage):
             sender = ev.sender or "unknown sender"
             reason = f"undecodable {ev.channel} message from {sender}: {ev.error}"
@@ -341,7 +399,7 @@ class Core:
             pp += 1
 
     def ready(self, m: consumer.ConsumerRequest) -> None:
-        self._ready[m.request_id] = None
+        self.ready_ids[m.request_id] = None
 
     def stage(self, m: producer.ProducerRequest) -> None:
         self._staged[m.request_id] = None
@@ -357,7 +415,7 @@ class Core:
     def finished(self, m: consumer.ConsumerRequest | producer.ProducerRequest, outcome: str, t_ns: int) -> None:
         """A request is done; one line at info (a warning when blocks were released by expiry)."""
         m.outcome = outcome
-        if not self._info:
+        if not self.log_info:
             return
         side = "consumer" if isinstance(m, consumer.ConsumerRequest) else "producer"
         fields: dict[str, Any] = {"side": side, "request_id": m.request_id, "outcome": outcome,
@@ -390,4 +448,4 @@ class Core:
 
     @property
     def pending_hand_offs(self) -> int:
-        return len(self._ready)
+        return len(self.ready_ids)

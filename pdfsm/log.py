@@ -150,11 +150,12 @@ class EventLog:
         Derived events (``DERIVED``) are the core's own conclusions and are refused: an adapter
         that could submit a ``Reported`` or an ``EngineReady`` could forge them.
         """
+        inbox = self.inbox
         if ev.DERIVED:
             raise InvalidInput("event", f"{type(ev).__name__} is derived by the core, never submitted")
-        if len(self.inbox) >= self.inbox_limit and not self._make_room(ev):
+        if len(inbox) >= self.inbox_limit and not self._make_room(ev):
             return
-        self.inbox.append(ev)
+        inbox.append(ev)
 
     def _make_room(self, ev: Event) -> bool:
         with self._room:

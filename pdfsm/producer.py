@@ -76,10 +76,18 @@ class ProducerRequest:
 
 
 def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
-    """The common case: a well-formed, new part that completes the count."""
+    """The common case: a well-formed, new part that completes the count.
+
+    With ``0 <= part < of`` and the count agreed on, "new and completing" is "every other part
+    is in": the parts so far are all of them but this one (none at all when ``of`` is 1).
+    """
     part, of = ev.part, ev.of
-    return (0 <= part < of and m.of in (0, of) and not (m.parts >> part) & 1
-            and m.parts | (1 << part) == (1 << of) - 1)
+    return 0 <= part < of and m.parts == ((1 << of) - 1) ^ (1 << part) and m.of in (0, of)
+
+
+def _on_our_clock(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
+    """The common case: no deadline given (the configured lease), or one on this core's clock."""
+    return ev.deadline is None or ev.deadline.clock == core.config.clock
 
 
 def _foreign_deadline(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
@@ -115,9 +123,9 @@ def _only_heartbeats(m: ProducerRequest, ev: object, core: Core) -> bool:
 
 def _hold(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     m.block_ids = ev.block_ids
-    m.t_start = ev.t_ns
-    m.deadline = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.lease_ns
-    core.leases.arm(m.request_id, m.deadline)
+    t = m.t_start = ev.t_ns
+    deadline = m.deadline = ev.deadline.t_ns if ev.deadline is not None else t + core.config.lease_ns
+    core.leases.arm(m.request_id, deadline)
 
 
 def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
@@ -175,10 +183,13 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     m.of = ev.of
     m.parts |= 1 << ev.part
-    core.leases.disarm(m.request_id, m.deadline)  # _release, spelt out: once per request
+    rid = m.request_id
+    core.leases.disarm(rid, m.deadline)  # _release, spelt out: once per request
     m.deadline = 0
-    core.emit(FinishedSending(request_id=m.request_id, block_ids=m.block_ids))
-    core.finished(m, "released", ev.t_ns)
+    core.emit(FinishedSending(request_id=rid, block_ids=m.block_ids))
+    m.outcome = "released"  # core.finished, called only when it has a line to write
+    if core.log_info:
+        core.finished(m, "released", ev.t_ns)
 
 
 def _extend(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
@@ -217,8 +228,8 @@ TABLE: Final[Table] = Table(
         on(
             S.NEW,
             BlocksHeld,
-            Illegal(local, "deadline is on another clock: rebase it first", when=_foreign_deadline),
-            Go(S.HOLDING, _hold),
+            Go(S.HOLDING, _hold, when=_on_our_clock),
+            Illegal(local, "deadline is on another clock: rebase it first"),
         ),
         on(S.NEW, NotificationReceived, _bad_part, Go(S.STAGED, _stage)),
         on(S.NEW, Heartbeat, Go(S.STAGED, _stage_heartbeat)),

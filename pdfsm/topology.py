@@ -22,6 +22,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+import msgspec
+
 __all__ = [
     "Layout",
     "ReadPlan",
@@ -57,8 +59,13 @@ class ReadSource(NamedTuple):
     local_slices: int = 1
 
 
-class ReadPlan(NamedTuple):
-    """Everything a consumer rank does for one request, independent of the request itself."""
+class ReadPlan(msgspec.Struct, frozen=True, gc=False):
+    """Everything a consumer rank does for one request, independent of the request itself.
+
+    A Struct rather than a NamedTuple: the consumer's hot path reads its fields on every request,
+    and a Struct field is a slot the interpreter loads directly (a NamedTuple field is a
+    descriptor call).
+    """
 
     sources: tuple[ReadSource, ...]
     notify_only: tuple[tuple[int, int], ...]  # (pp, tp) ranks told without being read (MLA)
@@ -67,6 +74,7 @@ class ReadPlan(NamedTuple):
     pp_ranks: tuple[int, ...]  # the remote PP ranks involved, i.e. the engines waited for
     position: dict[tuple[int, int], int]  # (pp_rank, tp_rank) -> index in sources
     all_read: int  # the bit mask with one bit per source
+    single: ReadSource | None = None  # the only source, when it is the plan's only remote rank
 
 
 def tp_ratio(consumer_tp: int, producer_tp: int) -> int:
@@ -126,4 +134,5 @@ def read_plan(local: Layout, remote: Layout, mla: bool) -> ReadPlan:
                 )
     part, of = (d % ratio, ratio) if ratio > 0 else (0, 1)
     position = {(src.pp_rank, src.tp_rank): i for i, src in enumerate(sources)}
-    return ReadPlan(tuple(sources), tuple(extra), part, of, pp_ranks, position, (1 << len(sources)) - 1)
+    single = sources[0] if len(sources) == 1 and not extra else None
+    return ReadPlan(tuple(sources), tuple(extra), part, of, pp_ranks, position, (1 << len(sources)) - 1, single)
