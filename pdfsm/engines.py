@@ -67,8 +67,8 @@ class Worker:
         layers_here = args.layers // args.pp
         self.layers = list(range(pp * layers_here, (pp + 1) * layers_here))
         self.heads = 1 if args.mla else args.heads // args.tp
-        self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8)
-                   for _ in self.layers]
+        self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8,
+                               device=args.kv_device) for _ in self.layers]
         name = f"{args.engine_id}-pp{pp}-tp{tp}"  # a restarted engine has a new id: a new log
         self.log_dir = log_dir / name
         from pdfsm.filesink import FileSink
@@ -184,14 +184,16 @@ class Engine:
             return
         blocks = [self.free.pop() for _ in range(op.blocks)]
         a = self.args
-        index = torch.tensor(blocks)
+        index = torch.tensor(blocks, device=a.kv_device)
         params = None
         for w in self.workers:
             for k, layer in enumerate(w.layers):
                 full = request_bytes(op.seed, layer, op.blocks, 1 if a.mla else a.heads, a.head_bytes)
                 mine = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
-                w.kv[k].index_copy_(0, index, mine)
+                w.kv[k].index_copy_(0, index, mine.to(a.kv_device))
             params = w.conn.request_finished(op.rid, blocks)
+        if a.kv_device != "cpu":
+            torch.cuda.synchronize()  # the copies are asynchronous; a READ must find them done
         self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
         emit(Result(ev="prefilled", rid=op.rid, params=params))
 
@@ -315,12 +317,14 @@ class Engine:
 
     def _verify(self, blocks: list[int], seed: int) -> bool:
         """Every byte this engine's ranks read, against what the producer wrote."""
-        a, index = self.args, torch.tensor(blocks)
+        a, index = self.args, torch.tensor(blocks, device=self.args.kv_device)
+        if a.kv_device != "cpu":
+            torch.cuda.synchronize()  # NIXL wrote the blocks behind the stream's back
         for w in self.workers:
             for k, layer in enumerate(w.layers):
                 full = request_bytes(seed, layer, len(blocks), 1 if a.mla else a.heads, a.head_bytes)
                 want = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
-                if not torch.equal(w.kv[k].index_select(0, index), want):
+                if not torch.equal(w.kv[k].index_select(0, index).cpu(), want):
                     return False
         return True
 
@@ -380,11 +384,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--log-dir", default="")
+    p.add_argument("--kv-device", default="cpu", help="where the KV caches live: cpu (NIXL DRAM) or cuda[:N] (VRAM)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.kv_device != "cpu" and not (args.kv_device.startswith("cuda") and torch.cuda.is_available()):
+        print(f"--kv-device {args.kv_device}: not available here (torch sees "
+              f"{torch.cuda.device_count()} CUDA devices); use cpu", file=sys.stderr)
+        return 2
     import logging
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),

@@ -66,8 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--log-dir", help="each worker's event log goes in a subdirectory here")
+    p.add_argument("--kv-device", default="cpu",
+                   help="where both engines keep their KV caches: cpu (NIXL DRAM, default) or cuda[:N] (VRAM)")
     p.add_argument("--quiet", action="store_true", help="no per-request timelines at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the replay")
+
+
+class EngineError(RuntimeError):
+    """An engine process died or went silent: the run cannot go on (its stderr is in the message)."""
 
 
 class Engine:
@@ -83,7 +89,8 @@ class Engine:
         self.stderr: list[str] = []
         assert self.proc.stdout is not None and self.proc.stderr is not None
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
-        threading.Thread(target=self._errors, args=(self.proc.stderr,), daemon=True).start()
+        self._stderr_done = threading.Thread(target=self._errors, args=(self.proc.stderr,), daemon=True)
+        self._stderr_done.start()
         self.dead = False
 
     def _read(self, out: IO[str]) -> None:
@@ -116,8 +123,12 @@ class Engine:
                 continue
             if r.ev == ev:
                 return r
+        code = self.proc.poll()
+        if code is not None:
+            self._stderr_done.join(2.0)  # the reader may still hold the engine's last words
         tail = "\n".join(self.stderr[-20:])
-        raise RuntimeError(f"the {self.role} engine did not report {ev!r} in {timeout:.0f} s:\n{tail}")
+        why = f"exited with code {code}" if code is not None else f"did not report {ev!r} in {timeout:.0f} s"
+        raise EngineError(f"the {self.role} engine {why}:\n{tail}")
 
     def kill(self) -> None:
         self.dead = True
@@ -150,7 +161,7 @@ def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str
     tp = args.prefill_tp if prefill else args.decode_tp
     argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(tp),
             "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
-            "--layers", "4", "--lease-s", str(lease), "--log-dir", str(log_dir)]
+            "--layers", "4", "--lease-s", str(lease), "--log-dir", str(log_dir), "--kv-device", args.kv_device]
     if args.mla:
         argv.append("--mla")
     if prefill:
@@ -335,7 +346,11 @@ def _report(args: argparse.Namespace, out: Outcome) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """``pdfsm demo``: exit 0 when every request ended in a defined state and nothing leaked."""
-    out = run(args, show=not args.json)
+    try:
+        out = run(args, show=not args.json)
+    except EngineError as e:
+        print(f"pdfsm demo: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"requests": out.requests, "outcomes": dict(out.outcomes), "bad_bytes": out.bad_bytes,
                           "problems": out.problems, "seconds": round(out.seconds, 2)}))

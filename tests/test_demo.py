@@ -122,3 +122,25 @@ def test_a_consumer_without_pp_support_fails_at_once_and_reads_nothing(tmp_path:
     assert out.expired == 4  # the PP 1 ranks' leases: nothing could tell them
     decode = read_log(tmp_path / "decode-pp0-tp0")
     assert not any(type(r.event).__name__ in ("HandleDone", "HandleFailed") for r in decode)  # no read posted
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="no CUDA device: the VRAM path needs one")
+def test_kv_caches_in_gpu_memory(tmp_path: Path) -> None:
+    """Both engines keep their KV caches on the GPU: NIXL reads VRAM to VRAM, TP 2 into TP 1."""
+    out = run(tmp_path, "--kv-device", "cuda", "--prefill-tp", "2", "--decode-tp", "1")
+    assert out.outcomes == {"received": 6} and out.released == 6
+
+
+@pytest.mark.skipif(_cuda(), reason="this machine has CUDA")
+def test_kv_device_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--requests", "1", "--log-dir", str(tmp_path), "--kv-device", "cuda", "--json"])
+    with pytest.raises(demo.EngineError, match=r"exited with code 2:\n--kv-device cuda: not available here"):
+        demo.run(args, show=False)

@@ -186,6 +186,32 @@ def test_ucx_thread_pool_moves_blocks() -> None:
         close_all([p, d])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the VRAM path needs one")
+def test_vram_connector_pair_moves_blocks() -> None:
+    """KV caches as CUDA tensors: registered as VRAM, read GPU to GPU, bytes verified."""
+    net = SimNetwork()
+    blocks, block_bytes = 32, 4096
+    src = [t.cuda() for t in random_kv(2, blocks, block_bytes, seed=5)]
+    dst = [t.cuda() for t in zero_kv(2, blocks, block_bytes)]
+    p = Rank("P", net, 0, 1, src, host="P-host")
+    d = Rank("D", net, 0, 1, dst, host="D-host")
+    reply = HandshakeReply(engine_id="P", compat_hash="", tp_size=1, num_blocks=blocks,
+                           ranks=(p.transport.rank_info(),))
+    net.serve("P-host", 1, lambda pp: reply)
+    try:
+        assert p.transport.capabilities.memory_kinds == frozenset({"DRAM", "VRAM"})
+        remote, local = [4, 5, 6, 7, 30, 2], [0, 1, 2, 3, 9, 31]
+        params = p.conn.request_finished("rp", remote)
+        d.conn.load("rd", local, params)
+        run_until([p, d], lambda: "rd" in d.recving and "rp" in p.sending)
+        assert not d.conn.last.failed
+        torch.cuda.synchronize()
+        for k in range(2):
+            assert torch.equal(d.kv[k][local].cpu(), p.kv[k][remote].cpu())
+    finally:
+        close_all([p, d])
+
+
 def test_producer_tp2_consumer_tp1() -> None:
     # D rank 0 reads whole blocks from P ranks 0 and 1, each into its half of the local block.
     net = SimNetwork()
