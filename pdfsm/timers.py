@@ -17,9 +17,10 @@ __all__ = ["Timers"]
 class Timers:
     """Keyed deadlines, bucketed in slots of ``2**shift`` ns (16.8 ms by default).
 
-    :meth:`earliest` must not cost a scan of a crowded slot every step (100k requests admitted
-    in one burst share one slot): the earliest slot is sorted once into ``_run`` and consumed
-    from its end, entries disarmed since being skipped as they surface (amortized O(1)).
+    Neither :meth:`earliest` nor :meth:`due` may cost a scan of a crowded slot every step (100k
+    requests admitted in one burst share one slot): the earliest slot is sorted once into
+    ``_run`` and consumed from its end, entries disarmed since being skipped as they surface
+    (amortized O(log n) per entry, whatever the slot holds).
     """
 
     __slots__ = ("_order", "_run", "_run_slot", "_shift", "_slots")
@@ -54,11 +55,13 @@ class Timers:
         while order and order[0] <= last:
             slot = order[0]
             keys = slots.get(slot)
-            if keys and slot == last:  # the slot ``now`` falls in: take only what is ripe
-                ripe = [(d, k) for k, d in keys.items() if d <= now]
-                for _, k in ripe:
-                    del keys[k]
-                out.extend(ripe)
+            if keys and slot == last:  # the slot ``now`` falls in: take only what is ripe, in order
+                run = self._sorted_run(slot, keys)
+                while run and -run[-1][0] <= now:
+                    neg, key = run.pop()
+                    if keys.get(key) == -neg:
+                        del keys[key]
+                        out.append((-neg, key))
                 if keys:
                     break
             elif keys:
@@ -69,22 +72,28 @@ class Timers:
 
     def earliest(self) -> int | None:
         """The earliest armed deadline, or None."""
-        slots, order, run = self._slots, self._order, self._run
+        slots, order = self._slots, self._order
         while order:
             slot = order[0]
             keys = slots.get(slot)
             if keys:
-                if slot != self._run_slot or not run:
-                    self._run_slot = slot
-                    run[:] = sorted([(-d, k) for k, d in keys.items()])
+                run = self._sorted_run(slot, keys)
                 while run:
                     neg, key = run[-1]
                     if keys.get(key) == -neg:
                         return -neg
                     run.pop()  # disarmed, or taken by ``due``, since the run was sorted
-                continue  # every entry of the run was stale: sort what the slot holds now
+                self._run_slot = -1  # every entry of the run was stale: sort what the slot holds now
+                continue
             self._drop_front()
         return None
+
+    def _sorted_run(self, slot: int, keys: dict[str, int]) -> list[tuple[int, str]]:
+        """The slot's entries sorted latest first, sorted once per slot (arm keeps it sorted)."""
+        if slot != self._run_slot or not self._run:
+            self._run_slot = slot
+            self._run[:] = sorted([(-d, k) for k, d in keys.items()])
+        return self._run
 
     def _drop_front(self) -> None:
         slot = heapq.heappop(self._order)

@@ -48,6 +48,27 @@ def test_the_wheel_agrees_with_a_dict(sequence: list[tuple[str, str, int]]) -> N
         assert len(wheel) == len(model)
 
 
+def test_due_takes_a_crowded_slot_in_order_a_little_at_a_time() -> None:
+    """100k deadlines in one slot, ten coming due per tick, with arms and disarms in between:
+    each tick gets exactly what is ripe (the slot is sorted once, not scanned per tick)."""
+    wheel = Timers()
+    for i in range(100_000):
+        wheel.arm(f"r{i}", 1_000 + i)
+    for tick in range(1_000):
+        now = 1_000 + tick * 10 + 9
+        if tick % 7 == 0:
+            wheel.disarm(f"r{now - 1_000}", now)  # the last one of this tick is disarmed
+            wheel.arm(f"late{tick}", now + 5)  # armed into the slot being consumed
+        ripe = [(d, f"r{d - 1_000}") for d in range(now - 9, now + 1)]
+        if tick % 7 == 0:
+            ripe.pop()
+        if tick % 7 == 1:
+            ripe.append((now - 5, f"late{tick - 1}"))
+            ripe.sort()
+        assert wheel.due(now) == ripe
+    assert len(wheel) == 100_000 - 10_000
+
+
 def test_earliest_of_a_crowded_slot_is_not_a_scan_each_time() -> None:
     """100k deadlines in one slot, taken earliest first: each earliest() is amortized O(1)."""
     wheel = Timers()
