@@ -170,7 +170,7 @@ class Table:
     is an error, as is a cell left undecided.
     """
 
-    __slots__ = ("cells", "dispatch", "events", "initial", "name", "states", "terminal")
+    __slots__ = ("cells", "dispatch", "events", "initial", "name", "states", "terminal", "variant")
 
     def __init__(
         self,
@@ -180,8 +180,10 @@ class Table:
         initial: State,
         events: Sequence[type],
         cells: Sequence[Cells],
+        variant: str = "",
     ) -> None:
         self.name: Final = name
+        self.variant: Final = variant  # a patched copy's own name; records keep the machine's
         self.states: Final = tuple(states)
         self.initial: Final = initial
         self.events: Final = tuple(events)
@@ -198,14 +200,17 @@ class Table:
             s: {e: merged[(s, e)] for e in self.events} for s in self.states
         }
 
-    def patched(self, name: str, cells: Cells) -> Table:
+    def patched(self, variant: str, cells: Cells) -> Table:
         """A copy with some cells decided differently, checked like any table (for policies and
-        the race tester's mutants)."""
+        the race tester's mutants). It keeps the machine's name, which is what records carry,
+        so a log made with it is read by every tool; replaying it against the real tables shows
+        where the two differ."""
         unknown = sorted(f"({s}, {e.__name__})" for s, e in cells if (s, e) not in self.cells)
         if unknown:
-            raise TableError(f"{name}: patches cells that do not exist: {', '.join(unknown)}")
+            raise TableError(f"{self.name} ({variant}): patches cells that do not exist: {', '.join(unknown)}")
         merged = {**self.cells, **cells}
-        return Table(name, states=self.states, initial=self.initial, events=self.events, cells=(merged,))
+        return Table(self.name, states=self.states, initial=self.initial, events=self.events, cells=(merged,),
+                     variant=variant)
 
     def edges(self) -> list[tuple[State, type, Go]]:
         """Every transition option, in table order: (source, event type, option)."""
@@ -221,7 +226,7 @@ class Table:
         return frozenset(o.dst if isinstance(o, Go) else state for o in self.cells[(state, event)])
 
     def _check(self) -> None:
-        name, states = self.name, set(self.states)
+        name, states = f"{self.name} ({self.variant})" if self.variant else self.name, set(self.states)
         if len(states) != len(self.states):
             raise TableError(f"{name}: a state is listed twice")
         if self.initial not in states:

@@ -210,7 +210,7 @@ class Summary:
     @property
     def stuck(self) -> list[tuple[str, Any, str]]:
         """Requests not in a terminal state at the end (engines rest in CONNECTED legitimately)."""
-        return [(m, k, s) for (m, k), s in self.states.items() if m != "engine" and s not in TERMINAL[m]]
+        return [(m, k, s) for (m, k), s in self.states.items() if m != "engine" and s not in TERMINAL.get(m, ())]
 
     def by_fault(self) -> Counter[str]:
         return Counter(v.fault.value for v in self.violations if v.fault is not None)
