@@ -89,4 +89,5 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     rss: int = 0  # stats: resident bytes of the engine process
     live: int = 0  # stats: requests holding blocks
     early_frees: int = 0  # accounting: blocks freed while the transport still had a read into them
+    double_frees: int = 0  # accounting: blocks in the free pool more than once (``free`` counts distinct ones)
     sizes: dict[str, int] = {}  # stats: how many entries each per-request table holds, summed over workers

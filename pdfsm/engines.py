@@ -344,7 +344,9 @@ class Engine:
             w.conn.shutdown()
         if self.server is not None:
             self.server.close()
-        emit(Result(ev="accounting", free=len(self.free), total=self.args.num_blocks, in_flight=len(self.held),
+        distinct = len(set(self.free))  # a block released twice is in the pool twice: count it once
+        emit(Result(ev="accounting", free=distinct, total=self.args.num_blocks, in_flight=len(self.held),
+                    double_frees=len(self.free) - distinct,
                     local_violations=local, remote_violations=remote, early_frees=self.early_frees,
                     logs=[str(w.log_dir) for w in self.workers]))
 

@@ -309,8 +309,9 @@ def _check(args: argparse.Namespace, out: Outcome, prefill_killed: bool) -> None
     if out.bad_bytes:
         out.problems.append(f"{out.bad_bytes} requests received with bytes that differ from the producer's")
     for role, acc in out.accounting.items():
-        if acc.free != acc.total or acc.in_flight:  # more free than total: released twice
-            out.problems.append(f"{role}: {acc.total - acc.free} blocks not returned, {acc.in_flight} requests open")
+        if acc.free != acc.total or acc.in_flight or acc.double_frees:
+            out.problems.append(f"{role}: {acc.total - acc.free} blocks not returned, {acc.double_frees} returned "
+                                f"twice, {acc.in_flight} requests open")
         if acc.local_violations:
             out.problems.append(f"{role}: {acc.local_violations} illegal events blamed on us")
     for log in out.logs:

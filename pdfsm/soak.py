@@ -13,8 +13,9 @@ whole (``leaked_blocks``) and no block was freed while the transport still had a
 (``early_frees``); every received byte was the producer's; every log replays without
 divergence; and every violation in the logs is explained by an injected fault
 (``unexpected_violations`` counts the rest). Memory: each engine reports its resident set
-every second; ``rss_growth_after_warmup`` is the largest growth of a long-lived engine from
-the end of the warm-up (a fifth of the run) to the end.
+every second; ``rss_growth_after_warmup`` is the largest growth of any engine, killed and
+restarted prefill engines included, from the end of its own warm-up (a fifth of the run, or
+40 % of the engine's life if shorter) to its last sample (``rss_growth_by_engine`` has each).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class _Req:
 class SoakResult:
     requests: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
+    not_received_by_fault: Counter[str] = field(default_factory=Counter)  # the fault that hit each, or "none"
     faults: Counter[str] = field(default_factory=Counter)
     restarts: int = 0
     seconds: float = 0.0
@@ -85,11 +87,13 @@ class SoakResult:
     bad_bytes: int = 0
     leaked_blocks: int = 0
     early_frees: int = 0
+    double_frees: int = 0
     not_terminal: int = 0
     violations: int = 0
     unexpected: list[str] = field(default_factory=list)
     divergent: list[str] = field(default_factory=list)
     rss_growth: int = 0
+    rss_growth_by_engine: dict[str, int] = field(default_factory=dict)
     rss_samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     sizes: dict[str, dict[str, int]] = field(default_factory=dict)  # the last table sizes per engine
     problems: list[str] = field(default_factory=list)
@@ -99,17 +103,35 @@ class SoakResult:
         done = sum(self.outcomes.values())
         return {
             "requests": self.requests, "requests_per_s": round(done / self.seconds, 2) if self.seconds else 0.0,
-            "outcomes": dict(self.outcomes), "faults": dict(self.faults), "restarts": self.restarts,
+            "outcomes": dict(self.outcomes), "not_received_by_fault": dict(self.not_received_by_fault),
+            "faults": dict(self.faults), "restarts": self.restarts,
             "p50_ms": round(_pct(lat, 0.50), 2), "p99_ms": round(_pct(lat, 0.99), 2),
-            "leaked_blocks": self.leaked_blocks, "early_frees": self.early_frees, "bad_bytes": self.bad_bytes,
-            "not_terminal": self.not_terminal, "violations": self.violations,
+            "leaked_blocks": self.leaked_blocks, "double_frees": self.double_frees, "early_frees": self.early_frees,
+            "bad_bytes": self.bad_bytes, "not_terminal": self.not_terminal, "violations": self.violations,
             "unexpected_violations": len(self.unexpected), "divergent": bool(self.divergent),
-            "rss_growth_after_warmup": self.rss_growth, "seconds": round(self.seconds, 1),
+            "rss_growth_after_warmup": self.rss_growth, "rss_growth_by_engine": self.rss_growth_by_engine,
+            "seconds": round(self.seconds, 1),
             "rss_mib": {eid: [round(s[0][1] / 2**20, 1), round(s[-1][1] / 2**20, 1)]
                         for eid, s in self.rss_samples.items() if s},
             "table_sizes": self.sizes,
             "problems": self.problems,
         }
+
+
+MIN_MEASURED_S = 20.0  # an engine's RSS is judged only over at least this long after its warm-up
+
+
+def _growth_after_warmup(samples: list[tuple[float, int]], warm_s: float) -> int | None:
+    """RSS growth of one engine from the end of its own warm-up to its last sample: the run's
+    warm-up length, or 40 % of the engine's life if it lived shorter (a prefill engine that
+    was restarted, or killed); None if too little is left to judge."""
+    if not samples:
+        return None
+    start, end = samples[0][0], samples[-1][0]
+    warm_end = start + min(warm_s, 0.4 * (end - start))
+    if end - warm_end < MIN_MEASURED_S:
+        return None
+    return samples[-1][1] - next(rss for t, rss in samples if t >= warm_end)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -180,7 +202,7 @@ class _Soak:
         if self.show:
             self._progress(out.seconds)
             print()
-        self._finish(start + 0.2 * a.duration)
+        self._finish(0.2 * a.duration)
         return out
 
     def _arrive(self) -> None:
@@ -281,19 +303,22 @@ class _Soak:
     def _terminal(self, r: _Req, outcome: str) -> None:
         del self.reqs[r.i]
         self.out.outcomes[outcome] += 1
+        if outcome != "received":
+            self.out.not_received_by_fault[r.fault or "none"] += 1
 
     def _progress(self, elapsed: float) -> None:
         o = self.out
         done = sum(o.outcomes.values())
         bad = {k: v for k, v in o.outcomes.items() if k != "received"}
         line = (f"  {elapsed:6.1f} s  {done / max(elapsed, 1e-9):6.1f} req/s  in flight {len(self.reqs):4d}  "
-                f"done {done}  not received {bad or '{}'}  restarts {o.restarts}")
+                f"done {done}  not received {bad or '{}'}  by fault {dict(o.not_received_by_fault) or '{}'}  "
+                f"restarts {o.restarts}")
         print(("\r" + line + "   ") if sys.stdout.isatty() else line, end="" if sys.stdout.isatty() else "\n",
               flush=True)
 
     # --- the checks -------------------------------------------------------------------------------
 
-    def _finish(self, warm: float) -> None:
+    def _finish(self, warm_s: float) -> None:
         out = self.out
         accounting: dict[str, Result] = {}
         for eng in (self.prefill, self.decode):
@@ -306,18 +331,20 @@ class _Soak:
             eng.proc.wait(timeout=30)
         for name, acc in accounting.items():
             out.leaked_blocks += acc.total - acc.free
+            out.double_frees += acc.double_frees
             out.early_frees += acc.early_frees
             if acc.in_flight:
                 out.problems.append(f"{name}: {acc.in_flight} requests still holding blocks")
         self._check_logs()
-        growth = [samples[-1][1] - next(rss for t, rss in samples if t >= warm)
-                  for eid, samples in out.rss_samples.items()
-                  if eid not in self.killed and samples and samples[0][0] <= warm <= samples[-1][0]]
-        out.rss_growth = max(growth, default=0)
-        if out.leaked_blocks > 0:
+        for eid, samples in out.rss_samples.items():
+            grew = _growth_after_warmup(samples, warm_s)
+            if grew is not None:
+                out.rss_growth_by_engine[eid] = grew
+        out.rss_growth = max(out.rss_growth_by_engine.values(), default=0)
+        if out.leaked_blocks:
             out.problems.append(f"{out.leaked_blocks} blocks never returned to their pool")
-        elif out.leaked_blocks < 0:
-            out.problems.append(f"{-out.leaked_blocks} blocks returned to their pool twice")
+        if out.double_frees:
+            out.problems.append(f"{out.double_frees} blocks returned to their pool twice")
         if out.early_frees:
             out.problems.append(f"{out.early_frees} requests freed blocks a read could still write")
         if out.bad_bytes:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from pdfsm.soak import KINDS
+from pdfsm.soak import KINDS, _growth_after_warmup
 from transports.nixl import nixl_available
 
 pytestmark = [
@@ -27,12 +27,23 @@ def test_a_short_soak_leaks_nothing_and_every_violation_is_one_it_caused(
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, d["problems"]
     assert d["requests"] == 320 and d["not_terminal"] == 0
-    assert d["leaked_blocks"] == 0 and d["early_frees"] == 0 and d["bad_bytes"] == 0
+    assert d["leaked_blocks"] == 0 and d["double_frees"] == 0 and d["early_frees"] == 0 and d["bad_bytes"] == 0
     assert d["unexpected_violations"] == 0 and d["violations"] > 0 and d["divergent"] is False
     assert set(d["faults"]) == {"none", *KINDS}
     assert d["restarts"] >= 1
     assert sum(d["outcomes"].values()) == d["requests"]
     assert d["outcomes"]["received"] > d["requests"] // 2
+    assert sum(d["not_received_by_fault"].values()) == d["requests"] - d["outcomes"]["received"]
     # every incarnation of the prefill engine left its own log, and each replays
     logs = {p.name for p in tmp_path.iterdir()}
     assert {"decode-pp0-tp0", "prefill-pp0-tp0", "prefill-pp0-tp1", "prefill-r1-pp0-tp0"} <= logs
+
+
+def test_rss_is_judged_after_each_engines_own_warm_up() -> None:
+    """A long-lived engine after the run's warm-up; a short-lived (restarted or killed) one after
+    40 % of its life; one too short to judge is left out rather than read as flat."""
+    steady = [(float(t), 100 + min(t, 30)) for t in range(200)]  # grows while warming, then flat
+    assert _growth_after_warmup(steady, warm_s=40.0) == 0
+    leaking = [(float(t), 100 + t) for t in range(50, 150)]  # a restarted engine that leaks
+    assert _growth_after_warmup(leaking, warm_s=120.0) == 149 - 90  # from 40 % into its 99 s life
+    assert _growth_after_warmup([(0.0, 1), (10.0, 2)], warm_s=120.0) is None
