@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pdfsm.filelog import read_log
 from pdfsm.replay import replay
 from pdfsm.testing import Scenario, World, drive, exhaust, hunt
-from pdfsm.testing.coverage import explore, unexplained
+from pdfsm.testing.coverage import explore, unexplained, unreachable_reason
 from pdfsm.testing.mutants import MUTANTS
 from pdfsm.testing.plugin import Race
 
@@ -25,6 +25,8 @@ def test_any_interleaving_of_two_requests_across_tp_keeps_every_invariant(data: 
 def test_default_scenarios_reach_every_reachable_cell_and_break_nothing() -> None:
     reached = explore(300)  # raises with the counterexample if any invariant breaks
     assert not unexplained(reached), "cells neither reached nor explained by a rule"
+    too_broad = sorted(c for c in reached if unreachable_reason(c))
+    assert not too_broad, f"a rule calls these cells unreachable, yet the world reached them: {too_broad}"
     assert len(reached) >= 74
 
 

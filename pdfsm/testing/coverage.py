@@ -61,11 +61,12 @@ def unreachable_reason(cell: Cell) -> str:
         return "the machine is forgotten when it gets there; no cascade touches it after"
     if event in ("DeadlinePassed", "LeaseExpired") and (machine, state) in _DISARMED:
         return "its timer was disarmed on the way into this state; expiries are derived for armed ones"
-    if event in ("EngineReady", "EngineFailed") and machine == "consumer":
-        return "engine news reaches a request only while it waits, or in the very cascade that stopped it"
+    if event in ("EngineReady", "EngineFailed") and machine == "consumer" and state != "HANDSHAKING" and (
+            state, event) != ("FAILED", "EngineFailed"):
+        return "engine news reaches a request only while it waits, or (a failure) in the very cascade that failed it"
     if (machine, state, event) == ("engine", "CONNECTED", "EngineWanted"):
         return "a request asks only for engines that are not connected yet"
-    if machine == "engine" and event == "PeerAdded" and state in ("HANDSHAKING", "CONNECTED", "DISCONNECTED"):
+    if machine == "engine" and event == "PeerAdded" and state in ("CONNECTED", "DISCONNECTED"):
         return "a stale PeerAdded needs two peers added for one engine at once; AddPeer is carried out at once"
     return ""
 
