@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_cli
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdfsm.filelog import read_log
@@ -16,6 +16,9 @@ from pdfsm.testing.coverage import explore, unexplained, unreachable_reason
 from pdfsm.testing.mutants import MUTANTS
 from pdfsm.testing.plugin import Race
 
+# The search budgets grow with the Hypothesis profile (HYPOTHESIS_PROFILE=long searches longer).
+SCALE = max(1, settings().max_examples // 200)
+
 
 @given(st.data())
 def test_any_interleaving_of_two_requests_across_tp_keeps_every_invariant(data: st.DataObject) -> None:
@@ -23,7 +26,7 @@ def test_any_interleaving_of_two_requests_across_tp_keeps_every_invariant(data: 
 
 
 def test_default_scenarios_reach_every_reachable_cell_and_break_nothing() -> None:
-    reached = explore(300)  # raises with the counterexample if any invariant breaks
+    reached = explore(300 * SCALE)  # raises with the counterexample if any invariant breaks
     assert not unexplained(reached), "cells neither reached nor explained by a rule"
     too_broad = sorted(c for c in reached if unreachable_reason(c))
     assert not too_broad, f"a rule calls these cells unreachable, yet the world reached them: {too_broad}"
@@ -38,7 +41,7 @@ def test_every_planted_bug_is_found_with_a_short_counterexample(mutant: str, tmp
     agrees (the planted cell was not on this core's path) or names the first record where the
     mutant's table decided differently (exit 3); never a crash."""
     variant = MUTANTS[mutant]
-    found = hunt(variant.scenario, variant, max_examples=1000)
+    found = hunt(variant.scenario, variant, max_examples=1000 * SCALE)
     assert found.found, f"{mutant} was not found"
     assert found.steps <= 12, found.message
     assert found.message.count("\n") >= found.steps  # the steps, in plain words
@@ -52,7 +55,7 @@ def test_every_planted_bug_is_found_with_a_short_counterexample(mutant: str, tmp
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS), ids=lambda m: m.replace(" ", "-").replace("/", ""))
 def test_the_real_machines_pass_every_mutant_scenario(mutant: str) -> None:
-    found = hunt(MUTANTS[mutant].scenario, None, max_examples=100)
+    found = hunt(MUTANTS[mutant].scenario, None, max_examples=100 * SCALE)
     assert not found.found, found.message
 
 
