@@ -112,6 +112,9 @@ def _stress(make_transport: Callable[[str, int, list[torch.Tensor]], Any]) -> No
         records = w.sink.records
         assert [r.seq for r in records] == list(range(len(records)))  # contiguous, nothing lost
         assert w.conn.core.rejections[Fault.LOCAL] == 0
+        # every request terminal; only the forged notifications wait, staged until their bound
+        assert not w.conn.core.consumers
+        assert all(rid.startswith("forged-") and m.state.name == "STAGED" for rid, m in w.conn.core.producers.items())
         replay(records)
     done = [r for r in decode.sink.records if isinstance(r.event, HandleDone)]
     assert len(done) == 2 * REQUESTS  # every read's outcome, submitted by a worker thread, arrived
