@@ -194,6 +194,9 @@ class Engine:
             params = w.conn.request_finished(op.rid, blocks)
         if a.kv_device != "cpu":
             torch.cuda.synchronize()  # the copies are asynchronous; a READ must find them done
+        for w in self.workers:  # write-ahead: the hold is in the log before its params leave us
+            w.conn.step()
+            w.sink.wait_written(5.0)
         self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
         emit(Result(ev="prefilled", rid=op.rid, params=params))
 

@@ -251,6 +251,22 @@ class FileSink:
                 self._cond.notify()
         return self.wait_acked(target, timeout)
 
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Wait until everything handed over so far is in the kernel (written, not fsynced): what
+        a process tells the outside world after this survives the process being killed (not a
+        machine crash: that is :meth:`sync`). Returns False if ``timeout`` passed first."""
+        target = self._next_in - 1
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.written_seq < target and self._error is None and self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+        if self.written_seq < target:
+            self._raise()
+        return True
+
     def wait_acked(self, seq: int, timeout: float | None = None) -> bool:
         """Wait until ``seq`` is fsynced (acknowledged). Raises if the writer failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -394,8 +410,10 @@ class FileSink:
         self._seg_size += self._pending
         self.bytes_written += self._pending
         self._iov, self._pending = [], 0
-        self.written_seq = self._next_out - 1
         self._dirty = True
+        with self._cond:  # wakes wait_written
+            self.written_seq = self._next_out - 1
+            self._cond.notify_all()
 
     def _sync(self) -> None:
         if self._dirty:

@@ -74,6 +74,10 @@ def test_a_producer_killed_mid_transfer(tmp_path: Path) -> None:
     assert "prefill" not in out.accounting  # it was killed: no accounting, its logs end where it died
     failed = [rid for rid, reason in out.reasons.items() if "disconnect" in reason.lower()]
     assert failed, out.reasons
+    # Write-ahead: every hold whose params reached the router is in the killed producer's logs.
+    held = {getattr(r.event, "request_id", "") for name in ("prefill-pp0-tp0", "prefill-pp0-tp1")
+            for r in read_log(tmp_path / name, on_torn_tail="stop") if r.machine == "producer"}
+    assert {rid.replace("d-", "p-", 1) for rid in out.reasons} <= held, (sorted(out.reasons), sorted(held))
 
 
 def test_a_lost_notification_releases_by_lease(tmp_path: Path) -> None:
@@ -144,3 +148,30 @@ def test_kv_device_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
     args = parser.parse_args(["--requests", "1", "--log-dir", str(tmp_path), "--kv-device", "cuda", "--json"])
     with pytest.raises(demo.EngineError, match=r"exited with code 2:\n--kv-device cuda: not available here"):
         demo.run(args, show=False)
+
+
+def test_a_hold_is_in_the_log_before_its_params_leave_the_prefill_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write-ahead: when the engine reports "prefilled" (the params go to the router), every
+    rank's log already holds the BlocksHeld on disk, so a SIGKILL right after loses nothing the
+    decode side could go on to read (fsync is for machine crashes; this is a process crash)."""
+    from pdfsm import engines
+    from pdfsm.engine_messages import Finish, Prefill, Result
+
+    on_disk: list[set[str]] = []
+
+    def emit(result: Result) -> None:
+        if result.ev == "prefilled":
+            on_disk.append({getattr(r.event, "request_id", "") for name in ("prefill-pp0-tp0", "prefill-pp0-tp1")
+                            for r in read_log(tmp_path / name, on_torn_tail="stop")})
+
+    monkeypatch.setattr(engines, "emit", emit)
+    args = engines.build_parser().parse_args(["--role", "prefill", "--engine-id", "prefill", "--tp", "2",
+                                              "--log-dir", str(tmp_path)])
+    engine = engines.Engine(args)
+    try:
+        for i in range(3):
+            engine.prefill(Prefill(rid=f"p-{i}", blocks=2, seed=i))
+    finally:
+        engine.finish(Finish(grace_s=0.0))
+    assert [sorted(ids & {"p-0", "p-1", "p-2"}) for ids in on_disk] == [["p-0"], ["p-0", "p-1"], ["p-0", "p-1", "p-2"]]
