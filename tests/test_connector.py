@@ -181,6 +181,9 @@ def test_peer_killed_mid_transfer_fails_the_request_with_its_policy() -> None:
     assert recv == {"d1": 1}
     (failed,) = w.failed
     assert "disconnected" in failed.reason and failed.policy == "recompute"
+    # The transport reports the engine gone once, as NIXL does; the engine machine follows.
+    gone = [r for r in w.d[0].core.log.records() if type(r.event).__name__ == "PeerDisconnected"]
+    assert len(gone) == 1 and gone[0].machine == "engine" and gone[0].state == "DISCONNECTED"
 
 
 def test_pp_with_and_without_transport_support() -> None:

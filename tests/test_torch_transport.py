@@ -24,6 +24,7 @@ from pdfsm.events import (
     HandshakeReply,
     Heartbeat,
     NotificationReceived,
+    PeerDisconnected,
     RankInfo,
 )
 from pdfsm.topology import ReadSource
@@ -272,15 +273,16 @@ def test_abort_through_the_connector() -> None:
 def test_killed_peer(slow: Pair) -> None:
     slow.read("r")
     slow.net.kill("p")
-    (ev,) = slow.wait()
+    ev, gone = slow.wait(2)
     assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.DISCONNECTED
+    assert isinstance(gone, PeerDisconnected) and (gone.engine_id, gone.pp_rank) == ("P", 0)  # once, as NIXL
     with pytest.raises(TransportError, match="unreachable"):
         slow.d.send(("P", 0), 0, HeartbeatMessage("r", 1))
     with pytest.raises(TransportError, match="unreachable"):
         slow.read("s")
     slow.net.revive("p")
     slow.read("t")
-    assert isinstance(slow.wait(2)[1], HandleDone)
+    assert isinstance(slow.wait(3)[2], HandleDone)
 
 
 def test_send_and_bad_bytes(slow: Pair) -> None:

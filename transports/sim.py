@@ -10,7 +10,8 @@ spend N polls in PROC, then end DONE, ERR, with the poll raising, or hang until
 cancelled (:class:`ReadScript`). Per notification: drop, duplicate, or delay it
 by N progress calls of the receiver (reordering it behind later ones). Per
 listener: refuse or never answer a handshake. Any agent can be killed: its
-peers' reads to it end DISCONNECTED and sends to it raise.
+peers' reads to it end DISCONNECTED (and, as with NIXL, the engine is reported gone once
+with a ``PeerDisconnected``) and sends to it raise.
 
 Memory is a bytearray per agent. A read copies bytes when it completes, so
 bytes a producer overwrote before that are what the consumer gets: the race
@@ -35,6 +36,7 @@ from pdfsm.events import (
     HandshakeDone,
     HandshakeFailed,
     HandshakeReply,
+    PeerDisconnected,
     RankInfo,
     Source,
 )
@@ -152,6 +154,7 @@ class SimTransport:
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self.inbox: deque[list[object]] = deque()  # [delay, sender, raw]
         self.sent: list[tuple[str, NotifyMessage]] = []
+        self._disconnected: set[EngineKey] = set()  # engines already reported gone, until re-added
         self._submit: Submit | None = None
         self._clock: Clock = lambda: 0
         network.agents[agent] = self
@@ -179,12 +182,16 @@ class SimTransport:
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout)
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+        if key[1] > 0 and not self.capabilities.supports_pp:
+            raise TransportError(f"SimTransport {self.agent!r} does not support pipeline parallelism "
+                                 f"(supports_pp=False): refusing remote pp_rank {key[1]}")
         ranks: dict[int, str] = {}
         for info in reply.ranks:
             if info.agent not in self.network.agents or info.agent in self.network.dead:
                 raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
             ranks[info.tp_rank] = info.agent
         self.peers[key] = ranks
+        self._disconnected.discard(key)
 
     def drop_peer(self, key: EngineKey) -> None:
         self.peers.pop(key, None)
@@ -243,6 +250,11 @@ class SimTransport:
             else:
                 self._emit(HandleFailed(source=Source.TRANSFER, t_ns=now, request_id=rid, pp_rank=pp, tp_rank=tp,
                                         why=failure[0], detail=failure[1]))
+                engine = (read.cmd.engine_id, pp)
+                if failure[0] is HandleFailure.DISCONNECTED and engine not in self._disconnected:
+                    self._disconnected.add(engine)  # as NIXL does: the engine is reported gone once
+                    self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=now, engine_id=engine[0], pp_rank=pp,
+                                                detail=failure[1]))
         for _ in range(len(self.inbox)):
             item = self.inbox.popleft()
             delay, sender, raw = item

@@ -60,6 +60,7 @@ from pdfsm.events import (
     HandleFailed,
     HandleFailure,
     HandshakeReply,
+    PeerDisconnected,
     RankInfo,
     Source,
 )
@@ -197,7 +198,8 @@ class TorchTransport:
         self.peers: dict[EngineKey, dict[int, _Remote]] = {}
         self._coverage: dict[str, str | None] = {}  # engine id -> why its PP ranks' layers do not fill ours
         self.reads: dict[tuple[str, int, int], _Read] = {}
-        self._reads_lock = threading.Lock()
+        self._reads_lock = threading.Lock()  # also guards _disconnected (worker threads report)
+        self._disconnected: set[EngineKey] = set()  # engines already reported gone, until re-added
         self.inbox: deque[tuple[str, bytes]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"torch-xfer-{agent_name}")
         self._submit: Submit | None = None
@@ -255,6 +257,8 @@ class TorchTransport:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
         self.peers[key] = ranks
         self._coverage.pop(key[0], None)
+        with self._reads_lock:
+            self._disconnected.discard(key)
 
     def drop_peer(self, key: EngineKey) -> None:
         if self.peers.pop(key, None) is not None:
@@ -333,14 +337,21 @@ class TorchTransport:
         except Exception as exc:  # noqa: BLE001 - a failing copy fails the handle, never the worker
             why, detail = HandleFailure.RAISED, f"{type(exc).__name__}: {exc}"
         src = read.cmd.source
+        engine = (read.cmd.engine_id, src.pp_rank)
         with self._reads_lock:
             self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
+            first_loss = why is HandleFailure.DISCONNECTED and engine not in self._disconnected
+            if first_loss:
+                self._disconnected.add(engine)
         common = {"source": Source.TRANSFER, "t_ns": self._clock(), "request_id": read.cmd.request_id,
                   "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
         if why is None:
             self._emit(HandleDone(**common))  # type: ignore[arg-type]
         else:
             self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
+        if first_loss:  # as NIXL does: the engine is reported gone once
+            self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=engine[0],
+                                        pp_rank=engine[1], detail=detail))
 
     def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
         if self.latency_s and read.cancel.wait(self.latency_s):
