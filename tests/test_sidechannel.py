@@ -19,7 +19,7 @@ from pdfsm.commands import HandOff, StartHandshake
 from pdfsm.connector import Connector
 from pdfsm.core import Core
 from pdfsm.engine import EngineState
-from pdfsm.errors import EngineIdMismatch
+from pdfsm.errors import CompatibilityMismatch, EngineIdMismatch
 from pdfsm.events import CoreConfig, Event, HandshakeDone, HandshakeFailed, HandshakeReply, RankInfo, ReadRequested
 from pdfsm.sidechannel import (
     FLAG_MAC,
@@ -268,6 +268,16 @@ def test_core_fails_on_engine_id_mismatch_naming_both_ids() -> None:
     assert isinstance(eng.error, EngineIdMismatch)
     assert "'P'" in str(eng.error) and "'X'" in str(eng.error)
     assert "'X'" in core.consumers["r1"].error
+
+
+def test_compatibility_is_checked_before_the_engine_id() -> None:
+    """A reply wrong on both counts fails on the compatibility hash (the documented order): a
+    different model is the real problem, whatever the engine calls itself."""
+    with SideChannelServer(lambda pp: make_reply(pp, engine_id="X", compat="other-model")) as s:
+        core, _ = drive_core(s.port)
+    eng = core.engines[("P", 0)]
+    assert eng.state is EngineState.FAILED and isinstance(eng.error, CompatibilityMismatch)
+    assert "other-model" in str(eng.error)
 
 
 def test_core_fails_when_the_handshake_fails() -> None:
