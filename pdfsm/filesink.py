@@ -255,32 +255,23 @@ class FileSink:
         """Wait until everything handed over so far is in the kernel (written, not fsynced): what
         a process tells the outside world after this survives the process being killed (not a
         machine crash: that is :meth:`sync`). Returns False if ``timeout`` passed first."""
-        target = self._next_in - 1
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self.written_seq < target and self._error is None and self._thread.is_alive():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(0.05 if left is None else min(left, 0.05))
-        if self.written_seq < target:
-            self._raise()
-        return True
+        return self._wait_until("written_seq", self._next_in - 1, timeout)
 
     def wait_acked(self, seq: int, timeout: float | None = None) -> bool:
         """Wait until ``seq`` is fsynced (acknowledged). Raises if the writer failed."""
+        return self._wait_until("acked_seq", seq, timeout)
+
+    def _wait_until(self, mark: str, seq: int, timeout: float | None) -> bool:
+        """Wait until the writer's ``mark`` (written_seq or acked_seq) reaches ``seq``; False on
+        timeout; raises if the writer failed or stopped short of it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self.acked_seq < seq:
-                if self._error is not None:
-                    break
-                if not self._thread.is_alive():
-                    break
+            while getattr(self, mark) < seq and self._error is None and self._thread.is_alive():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(0.05 if left is None else min(left, 0.05))
-        if self.acked_seq < seq:
+        if getattr(self, mark) < seq:
             self._raise()
         return True
 
