@@ -662,6 +662,41 @@ def test_progress_thread_does_not_spin() -> None:
         t.close()
 
 
+def _listening_addresses() -> set[str]:
+    """The local addresses this process listens on (TCP), from /proc: its socket inodes
+    matched against the kernel's tables."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    out.add(cols[1].rsplit(":", 1)[0])
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
+def test_ucx_listens_on_loopback_only_by_default() -> None:
+    """UCX opens a listening socket on every network device unless told; the transport limits
+    it to loopback (the configured interface) by default, like the side channel."""
+    before = _listening_addresses()
+    t = NixlTransport(name("lo"), zero_kv(1, 4, 64))
+    try:
+        opened = _listening_addresses() - before
+        loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc writes them
+        assert opened and opened <= loopback, opened
+    finally:
+        t.close()
+
+
 def test_capabilities_and_bad_tensors() -> None:
     t = NixlTransport(name("c"), zero_kv(1, 4, 64), supports_pp=False)
     try:

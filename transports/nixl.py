@@ -80,8 +80,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
@@ -274,6 +276,7 @@ class NixlTransport:
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
         backend_params: Mapping[str, str] | None = None,
+        ucx_devices: str = "lo",
     ) -> None:
         """``progress_delay_us``: how long NIXL's progress thread sleeps between rounds. NIXL's
         Python API starts it with no delay, a thread that spins on a core; on this 2-core
@@ -286,6 +289,11 @@ class NixlTransport:
         ``P`` over ``L`` layers ``layers=range(p*L//P, (p+1)*L//P)``; a consumer with PP size 1
         registers all of them. ``supports_pp=False``: this transport refuses every remote rank
         at ``pp_rank > 0`` (and cannot itself be one).
+
+        ``ucx_devices``: the network devices UCX may open sockets on (``UCX_NET_DEVICES``; UCX's
+        own default is every interface, each with a listening socket). Loopback by default, like
+        the side channel; name the devices that reach the peers on a multi-host deployment, or
+        ``""`` for UCX's default. A ``UCX_NET_DEVICES`` already in the environment wins.
 
         ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
         ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
@@ -309,9 +317,10 @@ class NixlTransport:
         self._layer_pos = {x: i for i, x in enumerate(self.layers)}
         kinds: frozenset[str] = frozenset({"DRAM", self.kind})
         self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds)
-        self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
-                                 delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads,
-                                 params=dict(backend_params or {}))
+        with _net_devices(ucx_devices):
+            self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
+                                     delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads,
+                                     params=dict(backend_params or {}))
         self._reg = self.agent.register_memory(self.tensors)
         region_infos = tuple(RegionInfo(r.base, r.stride, r.num_blocks, r.device, self.kind, x)
                              for r, x in zip(self.regions, self.layers, strict=True))
@@ -730,6 +739,21 @@ class _Never(Exception):
     """Stands in for an exception type this NIXL build does not have."""
 
 
+@contextmanager
+def _net_devices(devices: str) -> Iterator[None]:
+    """``UCX_NET_DEVICES`` for the backends created inside (UCX reads it when a backend creates
+    its context), unless the environment already says. NIXL's own ``ucx_devices`` parameter
+    left UCX listening on every interface here."""
+    if not devices or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
+
+
 def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
                 backends: list[str], num_threads: int, params: dict[str, str]) -> Any:
     """A ``nixl_agent`` with the given backends; with ``delay_us`` set, its progress thread
@@ -740,9 +764,6 @@ def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: 
     init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
     init.update(params)
     if delay_us is None or not progress_thread:
-        if not init:
-            conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends)
-            return api.nixl_agent(name, conf)
         agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
         for backend in backends:
             agent.create_backend(backend, init)
