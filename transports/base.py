@@ -25,7 +25,7 @@ from pdfsm.commands import PostRead, StartHandshake
 from pdfsm.events import EngineKey, Event, HandshakeReply, RankInfo
 from pdfsm.wire import NotifyMessage
 
-__all__ = ["Capabilities", "Clock", "Handshaker", "Submit", "Transport", "TransportError", "XferState"]
+__all__ = ["Capabilities", "Clock", "Handshaker", "Submit", "Transport", "TransportError", "XferState", "refuse_pp"]
 
 Submit = Callable[[Event], None]
 """Thread-safe: hand an event to the owning core's log."""
@@ -50,6 +50,13 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     supports_pp: bool = True
     memory_kinds: frozenset[str] = frozenset({"DRAM"})
+
+
+def refuse_pp(capabilities: Capabilities, agent: str, pp_rank: int) -> None:
+    """Raise if a transport without PP support is asked about a remote rank at ``pp_rank > 0``."""
+    if pp_rank > 0 and not capabilities.supports_pp:
+        raise TransportError(f"{capabilities.name} transport {agent!r} does not support pipeline parallelism "
+                             f"(supports_pp=False): refusing remote pp_rank {pp_rank}")
 
 
 class Transport(Protocol):

@@ -29,17 +29,20 @@ What is refused, with a :class:`LayerError` naming the layers:
   it needs is connected; a consumer whose PP size equals the producer's connects to
   one PP rank only).
 
-Pure functions over integers: shared by the NIXL and torch transports.
+Pure functions over integers, and :class:`LayerMap`, which keeps one rank's answers to
+them: shared by the NIXL and torch transports.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
+from pdfsm.events import EngineKey
 from transports.base import TransportError
 
-__all__ = ["MAX_LAYER", "LayerError", "check_layers", "coverage_problem", "local_positions"]
+__all__ = ["MAX_LAYER", "LayerError", "LayerMap", "check_layers", "coverage_problem", "local_positions"]
 
 MAX_LAYER = (1 << 31) - 1
 """The largest layer id accepted (they travel in metadata: bounded like everything else)."""
@@ -115,3 +118,40 @@ def coverage_problem(local_layers: Iterable[int], served: Mapping[int, Iterable[
     if extra:
         return f"remote PP ranks hold layers {_span(extra)} that this rank does not"
     return None
+
+
+class _HoldsLayers(Protocol):
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+
+class LayerMap:
+    """One rank's layers: where each local layer sits, and, per remote engine, whether the PP
+    ranks of it the transport is connected to hold each local layer exactly once (cached until
+    :meth:`changed` says a rank of that engine was added or dropped)."""
+
+    __slots__ = ("_coverage", "_pos", "layers")
+
+    def __init__(self, layers: Sequence[int] | None, regions: int) -> None:
+        self.layers = check_layers(layers, regions)
+        self._pos = {x: i for i, x in enumerate(self.layers)}
+        self._coverage: dict[str, str | None] = {}  # engine id -> why its PP ranks do not fill ours
+
+    def positions(self, remote_layers: Sequence[int], *, remote: str) -> tuple[int, ...]:
+        """:func:`local_positions` for this rank."""
+        return local_positions(self._pos, remote_layers, remote=remote)
+
+    def changed(self, engine_id: str) -> None:
+        self._coverage.pop(engine_id, None)
+
+    def problem(self, engine_id: str, peers: Mapping[EngineKey, Mapping[int, _HoldsLayers]]) -> str | None:
+        """:func:`coverage_problem` over ``engine_id``'s connected PP ranks (``peers``: engine
+        key -> tp_rank -> a rank that knows its layers)."""
+        try:
+            return self._coverage[engine_id]
+        except KeyError:
+            pass
+        served = {pp: next(iter(ranks.values())).layers for (eid, pp), ranks in peers.items()
+                  if eid == engine_id and ranks}
+        why = self._coverage[engine_id] = coverage_problem(self.layers, served)
+        return why

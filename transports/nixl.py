@@ -104,9 +104,9 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
-from transports.base import Capabilities, Clock, Submit, TransportError
+from transports.base import Capabilities, Clock, Submit, TransportError, refuse_pp
 from transports.coalesce import Region, SliceError, read_descs, read_indices, slice_span
-from transports.layers import LayerError, check_layers, coverage_problem, local_positions
+from transports.layers import LayerError, LayerMap, check_layers
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -313,8 +313,8 @@ class NixlTransport:
             raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.tensors = list(kv_caches)
         self.regions, self.kind = _regions(self.tensors)
-        self.layers = check_layers(layers, len(self.regions))
-        self._layer_pos = {x: i for i, x in enumerate(self.layers)}
+        self.layer_map = LayerMap(layers, len(self.regions))
+        self.layers = self.layer_map.layers
         kinds: frozenset[str] = frozenset({"DRAM", self.kind})
         self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds)
         with _net_devices(ucx_devices):
@@ -331,7 +331,6 @@ class NixlTransport:
         self._draining: list[_Peer] = []
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self._disconnected: set[EngineKey] = set()
-        self._coverage: dict[str, str | None] = {}  # engine id -> why its PP ranks' layers do not fill ours
         self._submit: Submit | None = None
         self._clock: Clock = lambda: 0
         self._owner = threading.get_ident()
@@ -389,8 +388,8 @@ class NixlTransport:
             if set(remote_layers) != set(_layers_of(decoded[0][1])):
                 raise LayerError(f"{key} tp_rank {info.tp_rank} holds other layers than tp_rank "
                                  f"{decoded[0][0].tp_rank}: TP ranks of one PP rank hold the same layers")
-            pos = local_positions(self._layer_pos, remote_layers,
-                                  remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
+            pos = self.layer_map.positions(
+                remote_layers, remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
             pairing.append((pos, tuple(self.regions[i] for i in pos)))
         if key in self.peers:  # a fresh reply for a connected engine replaces it
             self.drop_peer(key)
@@ -413,27 +412,13 @@ class NixlTransport:
                 raise
             raise TransportError(f"cannot add remote agents of {key}: {type(exc).__name__}: {exc}") from exc
         self.peers[key] = ranks
-        self._coverage.pop(key[0], None)
+        self.layer_map.changed(key[0])
         for peer in ranks.values():
             self._agents[peer.agent] = peer
         self._disconnected.discard(key)
 
     def _check_pp(self, pp_rank: int) -> None:
-        if pp_rank > 0 and not self.capabilities.supports_pp:
-            raise TransportError(f"NixlTransport {self.agent_name!r} does not support pipeline parallelism "
-                                 f"(supports_pp=False): refusing remote pp_rank {pp_rank}")
-
-    def _coverage_problem(self, engine_id: str) -> str | None:
-        """Why the connected PP ranks of ``engine_id`` do not hold each local layer exactly once
-        (cached until a rank of that engine is added or dropped)."""
-        try:
-            return self._coverage[engine_id]
-        except KeyError:
-            pass
-        served = {pp: next(iter(ranks.values())).layers for (eid, pp), ranks in self.peers.items()
-                  if eid == engine_id and ranks}
-        why = self._coverage[engine_id] = coverage_problem(self.layers, served)
-        return why
+        refuse_pp(self.capabilities, self.agent_name, pp_rank)
 
     def drop_peer(self, key: EngineKey) -> None:
         """Forget ``key`` now; remove its agents once none of our reads to them is alive."""
@@ -441,7 +426,7 @@ class NixlTransport:
         ranks = self.peers.pop(key, None)
         if ranks is None:
             return
-        self._coverage.pop(key[0], None)
+        self.layer_map.changed(key[0])
         for peer in ranks.values():
             if peer.reads:
                 self._draining.append(peer)
@@ -483,7 +468,7 @@ class NixlTransport:
             self.reads[key] = _Read(cmd, peer, None, "DONE")
             peer.reads += 1
             return
-        why = self._coverage_problem(cmd.engine_id)
+        why = self.layer_map.problem(cmd.engine_id, self.peers)
         if why is not None:
             raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
         try:

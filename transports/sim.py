@@ -41,7 +41,7 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
-from transports.base import Capabilities, Clock, Submit, TransportError
+from transports.base import Capabilities, Clock, Submit, TransportError, refuse_pp
 
 __all__ = ["ReadScript", "SimHandshaker", "SimNetwork", "SimTransport", "pattern"]
 
@@ -182,9 +182,7 @@ class SimTransport:
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout)
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
-        if key[1] > 0 and not self.capabilities.supports_pp:
-            raise TransportError(f"SimTransport {self.agent!r} does not support pipeline parallelism "
-                                 f"(supports_pp=False): refusing remote pp_rank {key[1]}")
+        refuse_pp(self.capabilities, self.agent, key[1])
         ranks: dict[int, str] = {}
         for info in reply.ranks:
             if info.agent not in self.network.agents or info.agent in self.network.dead:

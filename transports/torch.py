@@ -65,9 +65,9 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
-from transports.base import Capabilities, Clock, Submit, TransportError
+from transports.base import Capabilities, Clock, Submit, TransportError, refuse_pp
 from transports.coalesce import Region, SliceError, read_descs
-from transports.layers import LayerError, check_layers, coverage_problem, local_positions
+from transports.layers import LayerError, LayerMap, check_layers
 
 __all__ = ["TorchNetwork", "TorchRankMetadata", "TorchRankMetadataV1", "TorchTransport", "decode_torch_metadata"]
 
@@ -190,13 +190,12 @@ class TorchTransport:
             flat = t.view(-1).view(torch.uint8)
             self.flat.append(flat)
             self.regions.append(Region(0, flat.numel() // int(t.shape[0]), int(t.shape[0])))
-        self.layers = check_layers(layers, len(self.regions))
-        self._layer_pos = {x: i for i, x in enumerate(self.layers)}
+        self.layer_map = LayerMap(layers, len(self.regions))
+        self.layers = self.layer_map.layers
         kinds = {"VRAM" if t.is_cuda else "DRAM" for t in self.tensors}
         self.capabilities = Capabilities(name="torch", supports_pp=supports_pp,
                                          memory_kinds=frozenset({"DRAM", *kinds}))
         self.peers: dict[EngineKey, dict[int, _Remote]] = {}
-        self._coverage: dict[str, str | None] = {}  # engine id -> why its PP ranks' layers do not fill ours
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self._reads_lock = threading.Lock()  # also guards _disconnected (worker threads report)
         self._disconnected: set[EngineKey] = set()  # engines already reported gone, until re-added
@@ -222,9 +221,7 @@ class TorchTransport:
     # --- peers ------------------------------------------------------------------------------------
 
     def _check_pp(self, pp_rank: int) -> None:
-        if pp_rank > 0 and not self.capabilities.supports_pp:
-            raise TransportError(f"TorchTransport {self.agent_name!r} does not support pipeline parallelism "
-                                 f"(supports_pp=False): refusing remote pp_rank {pp_rank}")
+        refuse_pp(self.capabilities, self.agent_name, pp_rank)
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
         """Refused like NIXL's: pp_rank > 0 without PP support, a remote layer this rank does
@@ -250,30 +247,19 @@ class TorchTransport:
             if ranks and set(layers) != set(next(iter(ranks.values())).layers):
                 raise LayerError(f"{key} tp_rank {info.tp_rank} holds other layers than tp_rank "
                                  f"{next(iter(ranks))}: TP ranks of one PP rank hold the same layers")
-            pos = local_positions(self._layer_pos, layers,
-                                  remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
+            pos = self.layer_map.positions(
+                layers, remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
             ranks[info.tp_rank] = _Remote(info.agent, layers, pos)
         if not ranks:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
         self.peers[key] = ranks
-        self._coverage.pop(key[0], None)
+        self.layer_map.changed(key[0])
         with self._reads_lock:
             self._disconnected.discard(key)
 
     def drop_peer(self, key: EngineKey) -> None:
         if self.peers.pop(key, None) is not None:
-            self._coverage.pop(key[0], None)
-
-    def _coverage_problem(self, engine_id: str) -> str | None:
-        """Why the connected PP ranks of ``engine_id`` do not hold each local layer exactly once."""
-        try:
-            return self._coverage[engine_id]
-        except KeyError:
-            pass
-        served = {pp: next(iter(ranks.values())).layers for (eid, pp), ranks in self.peers.items()
-                  if eid == engine_id and ranks}
-        why = self._coverage[engine_id] = coverage_problem(self.layers, served)
-        return why
+            self.layer_map.changed(key[0])
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -290,7 +276,7 @@ class TorchTransport:
         if peer is None:
             raise TransportError(f"{name}: peer unreachable")
         if cmd.local_blocks:
-            why = self._coverage_problem(cmd.engine_id)
+            why = self.layer_map.problem(cmd.engine_id, self.peers)
             if why is not None:
                 raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
         plan: list[tuple[int, int, list[tuple[int, int, int]]]] = []
