@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from transport_helpers import StepRank, random_kv, run_until, zero_kv
 
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams
@@ -77,34 +78,19 @@ def name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{next(_names)}"
 
 
-def random_kv(regions: int, blocks: int, block_bytes: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen) for _ in range(regions)]
-
-
-def zero_kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
-    return [torch.zeros(blocks, block_bytes, dtype=torch.uint8) for _ in range(regions)]
-
-
-class Rank:
+class Rank(StepRank):
     """One worker: its KV tensors, NIXL transport and Connector."""
 
     def __init__(self, engine_id: str, net: SimNetwork, tp_rank: int, tp_size: int, kv: list[torch.Tensor],
                  *, mla: bool = False, host: str = "", pp_rank: int = 0, pp_size: int = 1,
                  handshaker: Handshaker | None = None, **kw: Any) -> None:
+        super().__init__()
         self.kv = kv
         self.transport = NixlTransport(name(f"{engine_id}{pp_rank}.{tp_rank}"), kv, tp_rank=tp_rank, pp_rank=pp_rank,
                                        **kw)
         config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                             mla=mla, strict=True)
         self.conn = Connector(config, self.transport, handshaker or SimHandshaker(net), host=host, port=1)
-        self.sending: set[str] = set()
-        self.recving: set[str] = set()
-
-    def step(self) -> None:
-        s, r = self.conn.get_finished()
-        self.sending |= s
-        self.recving |= r
 
 
 def engine(net: SimNetwork, engine_id: str, tp: int, blocks: int, block_bytes: int, *, fill: bool,
@@ -121,22 +107,9 @@ def engine(net: SimNetwork, engine_id: str, tp: int, blocks: int, block_bytes: i
     return ranks
 
 
-def run_until(ranks: list[Rank], done: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        for rk in ranks:
-            rk.step()
-
-
 def close_all(ranks: list[Rank]) -> None:
     for rk in ranks:
         rk.conn.shutdown()
-
-
-def events_of(rank: Rank, kind: type[Event]) -> list[Any]:
-    return [rec.event for rec in rank.conn.core.log.records() if isinstance(rec.event, kind)]
 
 
 # --- Connector pairs in one process --------------------------------------------------------------
@@ -156,7 +129,7 @@ def test_connector_pair_moves_blocks(xfer_mode: str) -> None:
         assert not d.conn.last.failed
         for k in range(2):
             assert torch.equal(d.kv[k][local], p.kv[k][remote[1:]])
-        notes = events_of(p, NotificationReceived)
+        notes = p.events(NotificationReceived)
         assert [(n.request_id, n.part, n.of, n.sender) for n in notes] == [("req-p", 0, 1, d.transport.agent_name)]
         # A second request reuses the connection and the prepared lists.
         params = p.conn.request_finished("req-p2", [0, 1, 2, 3])
@@ -244,7 +217,7 @@ def test_producer_tp1_consumer_tp2() -> None:
         for k in range(2):
             assert torch.equal(ds[0].kv[k][[0, 1, 2]], p.kv[k][[3, 8, 9], :512])
             assert torch.equal(ds[1].kv[k][[5, 6, 7]], p.kv[k][[3, 8, 9], 512:])
-        parts = sorted(n.part for n in events_of(p, NotificationReceived))
+        parts = sorted(n.part for n in p.events(NotificationReceived))
         assert parts == [0, 1]
     finally:
         close_all([p, *ds])
@@ -262,7 +235,7 @@ def test_mla_reads_one_rank_and_notifies_the_other() -> None:
         for k in range(2):
             assert torch.equal(d.kv[k][[0, 1]], ps[0].kv[k][[5, 6]])
         # P1 was not read, but told with P's request id (vLLM PR 36958).
-        assert [n.request_id for n in events_of(ps[1], NotificationReceived)] == ["r"]
+        assert [n.request_id for n in ps[1].events(NotificationReceived)] == ["r"]
     finally:
         close_all([*ps, d])
 
@@ -326,7 +299,7 @@ def test_read_setup_failure_is_reported_not_raised() -> None:
         run_until([d], lambda: "rd" in d.recving)
         (failed,) = d.conn.last.failed
         assert failed.invalid_blocks == (0, 1)
-        (ev,) = events_of(d, HandleFailed)
+        (ev,) = d.events(HandleFailed)
         assert ev.why is HandleFailure.SETUP and "99" in ev.detail
     finally:
         close_all([p, d])
@@ -842,7 +815,7 @@ def test_two_processes_cancel_against_a_stopped_peer(peer: Peer) -> None:
             release.conn.abort("r")
             run_until([release], lambda: "r" in release.recving)
             assert release.conn.last.aborted == frozenset({"r"})
-            (ev,) = events_of(release, HandleFailed)
+            (ev,) = release.events(HandleFailed)
             assert ev.why is HandleFailure.CANCELLED
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline:
@@ -852,7 +825,7 @@ def test_two_processes_cancel_against_a_stopped_peer(peer: Peer) -> None:
             os.kill(peer.proc.pid, signal.SIGCONT)
         run_until([wait], lambda: "w" in wait.recving)
         assert wait.conn.last.aborted == frozenset({"w"})
-        assert events_of(wait, HandleDone)  # it completed once the peer resumed
+        assert wait.events(HandleDone)  # it completed once the peer resumed
     finally:
         wait.conn.shutdown()
         release.conn.shutdown()
@@ -872,10 +845,10 @@ def test_two_processes_producer_killed_mid_transfer() -> None:
         run_until([d], lambda: "rd" in d.recving)
         (failed,) = d.conn.last.failed
         assert set(failed.invalid_blocks) == set(range(256))
-        (ev,) = events_of(d, HandleFailed)
+        (ev,) = d.events(HandleFailed)
         assert ev.why in (HandleFailure.DISCONNECTED, HandleFailure.RAISED)
         if ev.why is HandleFailure.DISCONNECTED:
-            assert events_of(d, PeerDisconnected)
+            assert d.events(PeerDisconnected)
         assert not d.transport.reads
     finally:
         d.conn.shutdown()
@@ -926,7 +899,7 @@ def test_two_processes_pp2_tp2_into_pp1_tp1(pp_peer: Peer) -> None:
                 assert torch.equal(got, want), (x, pp, tp)
         agents = {(i.pp_rank, i.tp_rank): i.agent for i in pp_peer.infos}
         assert len(agents) == 4
-        dones = events_of(d, HandshakeDone)
+        dones = d.events(HandshakeDone)
         assert sorted(ev.pp_rank for ev in dones) == [0, 1]
         for ev in dones:
             assert ev.reply.pp_size == 2 and ev.reply.tp_size == 2
@@ -962,7 +935,7 @@ def test_two_processes_pp_request_to_a_transport_without_pp(pp_peer: Peer, monke
         (failed,) = d.conn.last.failed
         assert failed.policy == "recompute" and "PP" in failed.reason
         assert set(failed.invalid_blocks) == {4, 5, 6}
-        assert calls == [] and not events_of(d, HandshakeDone)
+        assert calls == [] and not d.events(HandshakeDone)
         assert not any(t.any() for t in d.kv)
         time.sleep(0.2)
         assert not pp_peer.has("RELEASED pp-2") and not pp_peer.has(f"NOTE {d.transport.agent_name}")

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from transport_helpers import StepRank, random_kv, run_until, zero_kv
 
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams
@@ -40,33 +41,20 @@ from transports.torch import (
     decode_torch_metadata,
 )
 
-
-def random_kv(regions: int, blocks: int, block_bytes: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen) for _ in range(regions)]
+PAUSE = 0.0005  # between stepping rounds: the reads finish on worker threads
 
 
-def zero_kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
-    return [torch.zeros(blocks, block_bytes, dtype=torch.uint8) for _ in range(regions)]
-
-
-class Rank:
+class Rank(StepRank):
     def __init__(self, tnet: TorchNetwork, net: SimNetwork, engine_id: str, kv: list[torch.Tensor], *,
                  tp_rank: int, tp_size: int, mla: bool = False, pp_rank: int = 0, pp_size: int = 1,
                  **kw: Any) -> None:
+        super().__init__()
         self.kv = kv
         self.transport = TorchTransport(tnet, f"{engine_id}{pp_rank}.{tp_rank}", kv, tp_rank=tp_rank,
                                         pp_rank=pp_rank, **kw)
         config = CoreConfig(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                             pp_size=pp_size, mla=mla, strict=True)
         self.conn = Connector(config, self.transport, SimHandshaker(net), host=f"{engine_id}-host", port=1)
-        self.sending: set[str] = set()
-        self.recving: set[str] = set()
-
-    def step(self) -> None:
-        s, r = self.conn.get_finished()
-        self.sending |= s
-        self.recving |= r
 
 
 def engine(tnet: TorchNetwork, net: SimNetwork, engine_id: str, tp: int, *, blocks: int, block_bytes: int,
@@ -81,19 +69,6 @@ def engine(tnet: TorchNetwork, net: SimNetwork, engine_id: str, tp: int, *, bloc
     return ranks
 
 
-def run_until(ranks: list[Rank], done: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out"
-        for rk in ranks:
-            rk.step()
-        time.sleep(0.0005)
-
-
-def events_of(rank: Rank, kind: type[Event]) -> list[Any]:
-    return [rec.event for rec in rank.conn.core.log.records() if isinstance(rec.event, kind)]
-
-
 def test_connector_pair_moves_blocks() -> None:
     tnet, net = TorchNetwork(), SimNetwork()
     (p,) = engine(tnet, net, "P", 1, blocks=32, block_bytes=512, fill=True)
@@ -101,7 +76,7 @@ def test_connector_pair_moves_blocks() -> None:
     remote, local = [4, 5, 6, 7, 20, 2], [0, 1, 2, 3, 31, 9]
     params = p.conn.request_finished("rp", remote)
     d.conn.load("rd", local, params)
-    run_until([p, d], lambda: "rd" in d.recving and "rp" in p.sending)
+    run_until([p, d], lambda: "rd" in d.recving and "rp" in p.sending, pause=PAUSE)
     for k in range(2):
         assert torch.equal(d.kv[k][local], p.kv[k][remote])
     for rk in (p, d):
@@ -115,7 +90,7 @@ def test_heterogeneous_tp_both_ways() -> None:
     params = ps[0].conn.request_finished("r", [1, 2])
     ps[1].conn.request_finished("r", [1, 2])
     ds[0].conn.load("rd", [6, 7], params)
-    run_until([*ps, *ds], lambda: "rd" in ds[0].recving and all("r" in p.sending for p in ps))
+    run_until([*ps, *ds], lambda: "rd" in ds[0].recving and all("r" in p.sending for p in ps), pause=PAUSE)
     for k in range(2):
         assert torch.equal(ds[0].kv[k][[6, 7], :256], ps[0].kv[k][[1, 2]])
         assert torch.equal(ds[0].kv[k][[6, 7], 256:], ps[1].kv[k][[1, 2]])
@@ -124,7 +99,7 @@ def test_heterogeneous_tp_both_ways() -> None:
     params = q.conn.request_finished("s", [3, 4])
     for e in es:
         e.conn.load("sd", [0, 1], params)
-    run_until([q, *es], lambda: all("sd" in e.recving for e in es) and "s" in q.sending)
+    run_until([q, *es], lambda: all("sd" in e.recving for e in es) and "s" in q.sending, pause=PAUSE)
     for k in range(2):
         assert torch.equal(es[0].kv[k][[0, 1]], q.kv[k][[3, 4], :256])
         assert torch.equal(es[1].kv[k][[0, 1]], q.kv[k][[3, 4], 256:])
@@ -260,11 +235,11 @@ def test_abort_through_the_connector() -> None:
     (d,) = engine(tnet, net, "D", 1, blocks=8, block_bytes=256, fill=False, latency_s=5.0)
     params = p.conn.request_finished("rp", [1, 2])
     d.conn.load("rd", [1, 2], params)
-    run_until([d], lambda: bool(d.transport.reads))
+    run_until([d], lambda: bool(d.transport.reads), pause=PAUSE)
     d.conn.abort("rd")
-    run_until([d], lambda: "rd" in d.recving, timeout=2.0)
+    run_until([d], lambda: "rd" in d.recving, timeout=2.0, pause=PAUSE)
     assert d.conn.last.aborted == frozenset({"rd"})
-    (ev,) = events_of(d, HandleFailed)
+    (ev,) = d.events(HandleFailed)
     assert ev.why is HandleFailure.CANCELLED
     for rk in (p, d):
         rk.conn.shutdown()
@@ -368,7 +343,8 @@ def test_pp2_producer_into_pp1_consumer(producer_tp: int) -> None:
     params = hold_all(ps, "rp", remote)
     assert params.remote_pp_size == 2
     d.conn.load("rd", local, params)
-    run_until([*ps.values(), d], lambda: "rd" in d.recving and all("rp" in p.sending for p in ps.values()))
+    run_until([*ps.values(), d], lambda: "rd" in d.recving and all("rp" in p.sending for p in ps.values()),
+              pause=PAUSE)
     assert not d.conn.last.failed
     width = 512 // producer_tp
     for x in range(LAYERS):
@@ -379,7 +355,7 @@ def test_pp2_producer_into_pp1_consumer(producer_tp: int) -> None:
     assert {k for k in d.transport.peers} == {("P", 0), ("P", 1)}
     assert all(set(d.transport.peers[("P", p)]) == set(range(producer_tp)) for p in (0, 1))
     for p in ps.values():  # every producer rank was read and notified once
-        assert [n.request_id for n in events_of(p, NotificationReceived)] == ["rp"]
+        assert [n.request_id for n in p.events(NotificationReceived)] == ["rp"]
     for rk in (*ps.values(), d):
         rk.conn.shutdown()
 
@@ -391,7 +367,7 @@ def test_equal_pp_sizes_read_the_matching_rank() -> None:
     params = hold_all(ps, "rp", [1, 2])
     for d in ds.values():
         d.conn.load("rd", [5, 6], params)
-    run_until([*ps.values(), *ds.values()], lambda: all("rd" in d.recving for d in ds.values()))
+    run_until([*ps.values(), *ds.values()], lambda: all("rd" in d.recving for d in ds.values()), pause=PAUSE)
     for (p, _), d in ds.items():
         assert list(d.transport.peers) == [("P", p)]
         for x in d.transport.layers:
@@ -429,19 +405,19 @@ def test_layers_covered_exactly_once_or_the_read_fails_setup() -> None:
                      layers=lambda p: [0, 1]).values()
     params = hold_all(ps, "rp", [1, 2])
     d.conn.load("rd", [5, 6], params)
-    run_until([d], lambda: "rd" in d.recving)
+    run_until([d], lambda: "rd" in d.recving, pause=PAUSE)
     (failed,) = d.conn.last.failed
     assert failed.policy == "recompute"
-    assert {e.why for e in events_of(d, HandleFailed)} == {HandleFailure.SETUP}
-    assert all("held by remote PP ranks 0 and 1" in e.detail for e in events_of(d, HandleFailed))
+    assert {e.why for e in d.events(HandleFailed)} == {HandleFailure.SETUP}
+    assert all("held by remote PP ranks 0 and 1" in e.detail for e in d.events(HandleFailed))
     assert not any(t.any() for t in d.kv)
 
     qs = pp_engine(tnet, net, "Q", pp=2, tp=1, blocks=8, block_bytes=256, fill=True)
     (e,) = pp_engine(tnet, net, "E", pp=1, tp=1, blocks=8, block_bytes=256, fill=False).values()
     params = qs[(0, 0)].conn.request_finished("rq", [1, 2])
     e.conn.load("re", [5, 6], msgspec.structs.replace(params, remote_pp_size=1))  # a wrong router
-    run_until([e], lambda: "re" in e.recving)
-    (ev,) = events_of(e, HandleFailed)
+    run_until([e], lambda: "re" in e.recving, pause=PAUSE)
+    (ev,) = e.events(HandleFailed)
     assert ev.why is HandleFailure.SETUP and "holds local layers 2-3: they would not be read" in ev.detail
     for rk in (*ps.values(), d, *qs.values(), e):
         rk.conn.shutdown()
