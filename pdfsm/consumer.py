@@ -275,28 +275,13 @@ def _post_reads(m: ConsumerRequest, core: Core) -> None:
 
 
 def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    """_accept, _arm_deadline and _post_reads, spelt out for a plan with a single source: this
-    runs for nearly every request. Guards before it computed (and cached) the plan."""
+    """_accept and _arm_deadline, spelt out: this runs for nearly every request. Guards before it
+    computed (and cached) the plan."""
     m.req = ev
-    plan = m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
-    if ev.deadline is None and not ev.lease_ns:
-        deadline = ev.t_ns + core.config.read_timeout_ns
-    else:
-        deadline = deadline_of(ev, core)
-    m.deadline = deadline
-    rid = m.request_id
-    core.deadlines.arm(rid, deadline)
-    src = plan.single
-    if src is None or m.engines:
-        _post_reads(m, core)
-        return
-    eid = ev.engine_id
-    core.emit(PostRead(rid, eid, src, ev.local_blocks, ev.remote_blocks,
-                       Notification(ev.remote_request_id, plan.part, plan.of)))
-    m.pending = 1
-    e = core.engines[(eid, src.pp_rank)]
-    e.readers += 1
-    m.engines = (e,)
+    m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
+    m.deadline = deadline_of(ev, core)
+    core.deadlines.arm(m.request_id, m.deadline)
+    _post_reads(m, core)
 
 
 def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -474,15 +459,13 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     assert plan is not None
     done = m.done = m.done | m.pending
     m.pending = 0
-    for e in m.engines:  # _let_go
-        e.readers -= 1
-    m.engines = ()
+    _let_go(m)
     if m.deadline:
         core.deadlines.disarm(m.request_id, m.deadline)
         m.deadline = 0
     if done != plan.all_read or plan.notify_only:
         _notify_unread(m, core)
-    core.ready_ids[m.request_id] = None  # core.ready
+    core.ready(m)
 
 
 def _cancel_reads(m: ConsumerRequest, core: Core) -> None:
@@ -516,9 +499,10 @@ def _hand_off(m: ConsumerRequest, ev: Reported, core: Core) -> None:
     st = m.state
     if st is S.NOTIFIED:
         core.emit(HandOff(request_id=m.request_id, outcome="received"))
-        m.outcome = "received"  # core.finished, called only when it has a line to write
-        if core.log_info:
+        if core.log_info:  # the one line per finished request; the outcome is recorded either way
             core.finished(m, "received", ev.t_ns)
+        else:
+            m.outcome = "received"
     elif st is S.FAILED:
         core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks,
                           policy=core.config.policy, reason=m.error))

@@ -91,7 +91,7 @@ def _on_our_clock(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
 
 
 def _foreign_deadline(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
-    return ev.deadline is not None and ev.deadline.clock != core.config.clock
+    return not _on_our_clock(m, ev, core)
 
 
 def _malformed(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
@@ -187,9 +187,10 @@ def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core)
     core.leases.disarm(rid, m.deadline)  # _release, spelt out: once per request
     m.deadline = 0
     core.emit(FinishedSending(request_id=rid, block_ids=m.block_ids))
-    m.outcome = "released"  # core.finished, called only when it has a line to write
-    if core.log_info:
+    if core.log_info:  # the one line per finished request; the outcome is recorded either way
         core.finished(m, "released", ev.t_ns)
+    else:
+        m.outcome = "released"
 
 
 def _extend(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:

@@ -74,7 +74,6 @@ class ReadPlan(msgspec.Struct, frozen=True, gc=False):
     pp_ranks: tuple[int, ...]  # the remote PP ranks involved, i.e. the engines waited for
     position: dict[tuple[int, int], int]  # (pp_rank, tp_rank) -> index in sources
     all_read: int  # the bit mask with one bit per source
-    single: ReadSource | None = None  # the only source, when it is the plan's only remote rank
 
 
 def tp_ratio(consumer_tp: int, producer_tp: int) -> int:
@@ -134,5 +133,4 @@ def read_plan(local: Layout, remote: Layout, mla: bool) -> ReadPlan:
                 )
     part, of = (d % ratio, ratio) if ratio > 0 else (0, 1)
     position = {(src.pp_rank, src.tp_rank): i for i, src in enumerate(sources)}
-    single = sources[0] if len(sources) == 1 and not extra else None
-    return ReadPlan(tuple(sources), tuple(extra), part, of, pp_ranks, position, (1 << len(sources)) - 1, single)
+    return ReadPlan(tuple(sources), tuple(extra), part, of, pp_ranks, position, (1 << len(sources)) - 1)
