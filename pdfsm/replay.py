@@ -44,12 +44,11 @@ __all__ = [
     "visits",
 ]
 
-TERMINAL = {"consumer": {"RELEASED"}, "producer": {"RELEASED", "EXPIRED", "DISCARDED"}, "engine": set()}
 _TABLES = {"consumer": consumer.TABLE, "producer": producer.TABLE, "engine": engine.TABLE}
+TERMINAL = {name: frozenset(s.name for s in table.terminal) for name, table in _TABLES.items()}
 # A machine is created in its table's initial state; a record that leaves it there (an ignored or
 # rejected first event) did not make it enter anything, so no visit starts.
 _INITIAL = {name: table.initial.name for name, table in _TABLES.items()}
-_ENDS = {name: {s.name for s in table.terminal} for name, table in _TABLES.items()}
 
 
 class Divergence(PdfsmError):
@@ -297,7 +296,7 @@ class Visit:
 
     @property
     def terminal(self) -> bool:
-        return self.state in _ENDS.get(self.machine, ())
+        return self.state in TERMINAL.get(self.machine, ())
 
 
 def visits(records: Iterable[Record], *, at: int | None = None) -> list[Visit]:
