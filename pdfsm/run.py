@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +41,7 @@ import msgspec
 
 from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Prefill, Result
 from pdfsm.filelog import read_log
+from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs
 from pdfsm.replay import render, replay, summarize
 
@@ -149,6 +151,7 @@ class Outcome:
     latencies_ms: list[float] = field(default_factory=list)
     accounting: dict[str, Result] = field(default_factory=dict)
     logs: list[Path] = field(default_factory=list)
+    records: dict[Path, list[Record]] = field(default_factory=dict)  # each log's, as read once
     divergent: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -314,14 +317,26 @@ def _check(args: argparse.Namespace, out: Outcome, prefill_killed: bool) -> None
                                 f"twice, {acc.in_flight} requests open")
         if acc.local_violations:
             out.problems.append(f"{role}: {acc.local_violations} illegal events blamed on us")
-    for log in out.logs:
+    for log, records, error in replayed(out.logs):
+        out.records[log] = records
+        if error:
+            out.divergent.append(error)
+    out.problems += [f"replay: {d}" for d in out.divergent]
+
+
+def replayed(logs: Iterable[Path]) -> Iterator[tuple[Path, list[Record], str]]:
+    """Each worker log read (a torn tail ends it: the engine may have been killed) and replayed:
+    (log, its records, "" or what failed). The demo and the soak check their logs with it."""
+    for log in logs:
+        records: list[Record] = []
         try:
             records = read_log(log, on_torn_tail="stop")
             if records:  # an engine killed before its first flush leaves only a header
                 replay(records)
-        except Exception as exc:  # noqa: BLE001 - any failure to replay is reported
-            out.divergent.append(f"{log.name}: {exc}")
-    out.problems += [f"replay: {d}" for d in out.divergent]
+        except Exception as exc:  # noqa: BLE001 - any failure to read or replay is reported
+            yield log, records, f"{log.name}: {exc}"
+        else:
+            yield log, records, ""
 
 
 def _report(args: argparse.Namespace, out: Outcome) -> None:
@@ -334,8 +349,7 @@ def _report(args: argparse.Namespace, out: Outcome) -> None:
           f"{'yes' if not out.bad_bytes else 'NO'}, p50 latency {p50:.1f} ms")
     print(f"  prefill released {out.released} by notification, {out.expired} by lease")
     for log in out.logs:
-        records = read_log(log, on_torn_tail="stop")
-        summary = summarize(records)
+        summary = summarize(out.records.get(log, []))
         diverged = any(log.name in d for d in out.divergent)
         title = f"{log.name} (replayed{': DIVERGED' if diverged else ', no divergence'})"
         for line in render(summary, title=title, timelines=0 if args.quiet else 1):

@@ -33,12 +33,10 @@ from typing import Any
 
 from pdfsm.connector import KVTransferParams
 from pdfsm.engine_messages import Abort, Finish, Load, Prefill, Result, Tamper
-from pdfsm.filelog import read_log
 from pdfsm.fsm import Fault
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs
-from pdfsm.replay import replay
-from pdfsm.run import Engine, _drain
+from pdfsm.run import Engine, _drain, replayed
 
 __all__ = ["KINDS", "SoakResult", "add_arguments", "run", "soak_command"]
 
@@ -355,13 +353,9 @@ class _Soak:
         out.problems += [f"unexpected violation: {u}" for u in out.unexpected[:20]]
 
     def _check_logs(self) -> None:
-        for log in sorted(p for p in self.log_dir.iterdir() if p.is_dir()):
-            try:
-                records = read_log(log, on_torn_tail="stop")
-                if records:  # an engine killed before its first flush leaves only a header
-                    replay(records)
-            except Exception as exc:  # noqa: BLE001 - any failure to read or replay is reported
-                self.out.divergent.append(f"{log.name}: {exc}")
+        for log, records, error in replayed(sorted(p for p in self.log_dir.iterdir() if p.is_dir())):
+            if error:
+                self.out.divergent.append(error)
                 continue
             for rec in records:
                 if rec.violation:
