@@ -32,6 +32,7 @@ __all__ = [
     "TERMINAL",
     "Divergence",
     "Followed",
+    "QuietLogger",
     "Step",
     "Summary",
     "Visit",
@@ -70,9 +71,10 @@ class _Capture:
         pass
 
 
-class _Quiet:
-    """The rebuilt core's logger. Replay recomputes the past: the violations it meets again were
-    logged when they happened, and re-logging them as live errors would mislead a postmortem."""
+class QuietLogger:
+    """A core logger that drops everything. Replay's: it recomputes the past, and the violations
+    it meets again were logged when they happened (re-logging them as live errors would mislead
+    a postmortem); also for tools and tests that build a core to make records."""
 
     def is_enabled_for(self, level: int) -> bool:
         return False
@@ -101,7 +103,7 @@ def replay(records: Iterable[Record], *, window: int = 1024) -> Core:
     if first is None or not isinstance(first.event, Started) or first.seq != 0:
         raise Divergence(0, first, None, "a log starts with the Started record at seq 0")
     capture = _Capture()
-    core = Core(first.event.config, EventLog(window=window, sink=capture), t_ns=first.event.t_ns, logger=_Quiet())
+    core = Core(first.event.config, EventLog(window=window, sink=capture), t_ns=first.event.t_ns, logger=QuietLogger())
     core.log.flush()
     pending: list[Record] = [Record.of(row) for row in capture.rows]
     capture.rows.clear()

@@ -43,6 +43,7 @@ from pdfsm.events import (
 )
 from pdfsm.filelog import SCHEMA_VERSION, write_segment
 from pdfsm.log import EventLog, Overflow, Record, Row
+from pdfsm.replay import QuietLogger
 
 GOLDEN = Path(__file__).parent / "golden"
 SALT = b"golden01"
@@ -51,20 +52,11 @@ MONO_NS = 123_456_789
 META = {"engine_id": "golden-D", "created_ns": WALL_NS, "note": "pdfsm log format 1, schema 1"}
 
 
-class _Quiet:
-    """A logger that drops everything (the core logs finished requests and violations)."""
-
-    def is_enabled_for(self, level: int) -> bool:
-        return False
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
 def golden_rows() -> list[Row]:
     """Rows covering most event types, outcomes, faults, causes, bytes, enums and nested structs."""
     log = EventLog(inbox_limit=2, overflow=Overflow.COUNT)
-    core = Core(CoreConfig(engine_id="golden-D", tp_size=2, compat_hash="h1", lease_ns=1_000), log, logger=_Quiet())
+    core = Core(CoreConfig(engine_id="golden-D", tp_size=2, compat_hash="h1", lease_ns=1_000), log,
+                logger=QuietLogger())
 
     def step(*events: Any) -> None:
         for ev in events:

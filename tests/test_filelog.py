@@ -19,7 +19,7 @@ import pytest
 from filelog_writer import row as writer_row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from make_golden import MONO_NS, SALT, WALL_NS, _Quiet, golden_rows
+from make_golden import MONO_NS, SALT, WALL_NS, golden_rows
 
 from pdfsm import filelog
 from pdfsm.core import Core
@@ -46,6 +46,7 @@ from pdfsm.filelog import (
 )
 from pdfsm.filesink import FileSink, FsyncPolicy
 from pdfsm.log import EventLog, Overflow, Record, Row
+from pdfsm.replay import QuietLogger
 
 TESTS = Path(__file__).parent
 GOLDEN = TESTS / "golden"
@@ -430,7 +431,7 @@ def _shift(rows: list[Row], sink: FileSink) -> list[Row]:
 
 
 def _quiet_core(log: EventLog, engine_id: str = "D") -> Core:
-    return Core(CoreConfig(engine_id=engine_id), log, logger=_Quiet())
+    return Core(CoreConfig(engine_id=engine_id), log, logger=QuietLogger())
 
 
 def _lifecycles(core: Core, n: int) -> None:
