@@ -635,9 +635,9 @@ def test_progress_thread_does_not_spin() -> None:
         t.close()
 
 
-def _listening_addresses() -> set[str]:
-    """The local addresses this process listens on (TCP), from /proc: its socket inodes
-    matched against the kernel's tables."""
+def _listening_addresses() -> dict[str, str]:
+    """This process's listening TCP sockets, socket inode -> local address, from /proc: its
+    socket inodes matched against the kernel's tables."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -646,13 +646,13 @@ def _listening_addresses() -> set[str]:
             continue
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
-    out = set()
+    out = {}
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as f:
             for row in list(f)[1:]:
                 cols = row.split()
                 if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                    out.add(cols[1].rsplit(":", 1)[0])
+                    out[cols[9]] = cols[1].rsplit(":", 1)[0]
     return out
 
 
@@ -663,7 +663,7 @@ def test_ucx_listens_on_loopback_only_by_default() -> None:
     before = _listening_addresses()
     t = NixlTransport(name("lo"), zero_kv(1, 4, 64))
     try:
-        opened = _listening_addresses() - before
+        opened = {addr for inode, addr in _listening_addresses().items() if inode not in before}
         loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc writes them
         assert opened and opened <= loopback, opened
     finally:
