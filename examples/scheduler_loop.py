@@ -3,8 +3,11 @@
 The prefill scheduler finishes a prompt and asks its connector to hold the blocks
 (``request_finished``), which returns the ``kv_transfer_params`` a router would pass
 on. The decode scheduler allocates local blocks, asks its connector to load them
-(``load``), and each step collects what finished (``get_finished``) and which blocks
-failed (``get_block_ids_with_load_errors``), applying the failure policy. Both run
+(``load``: only the blocks its prefix cache misses, none for a full hit, which only tells
+the producer it may release; with the time the params arrived, so reads are trusted only
+while the producer's lease holds), aborts a request the client gave up on (``abort``), and
+each step collects what finished (``get_finished``) and which blocks failed
+(``get_block_ids_with_load_errors``), applying the failure policy. Both run
 here over the deterministic simulated transport; swap in another transport and a
 side-channel handshaker for real engines.
 
@@ -33,18 +36,28 @@ class DecodeScheduler:
         self.waiting_for_kv: dict[str, list[int]] = {}
         self.running: list[str] = []
         self.recompute: list[str] = []
+        self.aborted: list[str] = []
 
-    def add(self, request_id: str, params: KVTransferParams) -> None:
-        blocks = [self.free.popleft() for _ in params.remote_block_ids]
-        self.waiting_for_kv[request_id] = blocks
-        self.connector.load(request_id, blocks, params)
+    def add(self, request_id: str, params: KVTransferParams, arrived_ns: int, *, cached: int = 0) -> None:
+        """``cached``: how many leading blocks the local prefix cache already holds."""
+        blocks = [self.free.popleft() for _ in params.remote_block_ids[cached:]]
+        self.connector.load(request_id, blocks, params, lease_start_ns=arrived_ns)
+        if blocks:
+            self.waiting_for_kv[request_id] = blocks
+        else:  # a full prefix hit: nothing to read, never reported; the producer is told to release
+            self.running.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.connector.abort(request_id)  # it still comes back once, after its reads stopped
 
     def step(self) -> None:
         _, recving = self.connector.get_finished()
         invalid = self.connector.get_block_ids_with_load_errors()  # same step as the report
         for rid in recving:
             blocks = self.waiting_for_kv.pop(rid)
-            if invalid.intersection(blocks):
+            if rid in self.connector.last.aborted:
+                self.aborted.append(rid)
+            elif invalid.intersection(blocks):
                 self.recompute.append(rid)  # policy "recompute": prefill locally
             else:
                 self.running.append(rid)
@@ -88,15 +101,20 @@ def main() -> None:
                                        SimTransport(net, "decode-0", num_blocks=256), SimHandshaker(net), clock=tick),
                              256)
     net.script("req-3", 0, 0, ReadScript(end="err"))  # one read fails: that request is recomputed
+    net.script("req-7", 0, 0, ReadScript(polls=50))  # a slow read, which the client gives up on
     for i in range(8):
         params = prefill.prefill(f"p-req-{i}", num_blocks=1 + i % 3)
-        decode.add(f"req-{i}", params)
-    for _ in range(10):
+        # req-5 has its first block in the local prefix cache, req-6 all of them
+        decode.add(f"req-{i}", params, arrived_ns=tick(), cached={5: 1, 6: 3}.get(i, 0))
+    for step in range(10):
         now[0] = next(clock)
+        if step == 2:
+            decode.abort("req-7")
         decode.step()
         prefill.step()
     print(f"decoding: {sorted(decode.running)}")
     print(f"recompute: {decode.recompute}")
+    print(f"aborted: {decode.aborted}")
     print(f"prefill blocks still held: {sum(map(len, prefill.held.values()))}")
 
 

@@ -20,6 +20,7 @@ accepted is touched.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any
@@ -41,6 +42,8 @@ from pdfsm.commands import (
 from pdfsm.core import Core
 from pdfsm.errors import InvalidInput
 from pdfsm.events import (
+    CONSUMER,
+    PRODUCER,
     AbortRequested,
     BlocksHeld,
     Collect,
@@ -56,7 +59,8 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.log import EventLog
-from pdfsm.topology import TopologyError, tp_ratio
+from pdfsm.producer import S as ProducerStates
+from pdfsm.topology import ReadPlan, TopologyError
 from pdfsm.wire import MAX_ID_CHARS, HeartbeatMessage, Notification
 from transports.base import Clock, Handshaker, Transport
 
@@ -65,30 +69,39 @@ __all__ = ["Connector", "ConnectorMetadata", "KVTransferParams", "StepOutput"]
 _log = structlog.get_logger("pdfsm.connector")
 
 
+_Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_Size = Annotated[int, msgspec.Meta(ge=1)]
+_BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+
+
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """What the prefill side returns and the router hands to the decode side."""
 
     remote_engine_id: str
     remote_request_id: str
     remote_host: str = "127.0.0.1"
-    remote_port: int = 0
-    remote_block_ids: tuple[int, ...] = ()
-    remote_tp_size: int = 1
-    remote_pp_size: int = 1
-    lease_ns: int = 0  # how long the producer holds the blocks from request_finished (0: unknown)
+    remote_port: _Port = 0
+    remote_block_ids: _BlockIds = ()
+    remote_tp_size: _Size = 1
+    remote_pp_size: _Size = 1
+    lease_ns: Annotated[int, msgspec.Meta(ge=0)] = 0  # how long the producer holds the blocks (0: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
 
     @classmethod
     def parse(cls, params: KVTransferParams | Mapping[str, Any]) -> KVTransferParams:
-        """Typed params from a router's dict; InvalidInput names the first bad field."""
+        """Typed, checked params from a router's dict or an instance (whose constructor checks no
+        types or bounds); InvalidInput names the first bad field."""
         if isinstance(params, KVTransferParams):
-            return params
+            params = msgspec.structs.asdict(params)
+        elif not isinstance(params, Mapping):
+            raise InvalidInput("kv_transfer_params", f"must be a mapping or KVTransferParams, got {params!r}")
         try:
             return msgspec.convert(dict(params), cls)
         except msgspec.ValidationError as exc:
-            raise InvalidInput("kv_transfer_params", str(exc)) from None
+            at = re.search(r"at `\$\.(\w+)", str(exc))  # msgspec names the path of the bad value
+            raise InvalidInput(at.group(1) if at else "kv_transfer_params", str(exc)) from None
 
 
 class ConnectorMetadata(msgspec.Struct, kw_only=True):
@@ -117,7 +130,10 @@ def _check_id(field: str, value: object) -> str:
     return value
 
 
-_BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+def _check_int(field: str, value: object, *, low: int) -> int:
+    if type(value) is not int or value < low:
+        raise InvalidInput(field, f"must be an int of at least {low}, got {value!r}")
+    return value
 
 
 def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
@@ -130,6 +146,8 @@ def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
             return msgspec.convert(blocks, _BlockIds)
         except msgspec.ValidationError:
             pass
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+        raise InvalidInput(field, f"must be a sequence of block ids, got {blocks!r}")
     out = tuple(blocks)
     for b in out:
         if not isinstance(b, int) or isinstance(b, bool) or b < 0:
@@ -162,6 +180,7 @@ class Connector:
         handshaker.bind(self.core.submit, clock)
         self._step = 0
         self._out: list[Command] = []
+        self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         self.last = StepOutput(step=0)
 
     # --- prefill side ---------------------------------------------------------------------------
@@ -173,20 +192,26 @@ class Connector:
 
         Returns the ``kv_transfer_params`` the router passes to the decode side. The
         blocks come back in :attr:`StepOutput.finished_sending` once every consumer
-        rank has read them, or once the lease expired.
+        rank has read them, or once the lease expired. An id already held (or held and
+        finished, while remembered) is refused: one hold per request.
         """
+        held = self._blocks_held(request_id, block_ids, lease_ns)
+        self._submit(held)
+        cfg = self.config
+        return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
+                                remote_host=self.host, remote_port=self.port, remote_block_ids=held.block_ids,
+                                remote_tp_size=cfg.tp_size, remote_pp_size=cfg.pp_size,
+                                lease_ns=lease_ns or cfg.lease_ns)
+
+    def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
         blocks = _check_blocks("block_ids", block_ids)
-        if lease_ns is not None and lease_ns <= 0:
-            raise InvalidInput("lease_ns", f"must be positive, got {lease_ns}")
+        if lease_ns is not None:
+            _check_int("lease_ns", lease_ns, low=1)
+        self._check_fresh(rid, PRODUCER)
         now = self._clock()
         deadline = None if lease_ns is None else Deadline(self.config.clock, now + lease_ns)
-        self.core.submit(BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks,
-                                    deadline=deadline))
-        cfg = self.config
-        return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=rid, remote_host=self.host,
-                                remote_port=self.port, remote_block_ids=blocks, remote_tp_size=cfg.tp_size,
-                                remote_pp_size=cfg.pp_size, lease_ns=lease_ns or cfg.lease_ns)
+        return BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks, deadline=deadline)
 
     # --- decode side ----------------------------------------------------------------------------
 
@@ -203,31 +228,37 @@ class Connector:
         ``local_block_ids`` may be shorter than the remote ones (a partial local prefix
         hit): the last remote blocks are read. Empty means notify-only: nothing is
         read, the producer is told it may release, and the request is not reported.
+        A request id is loaded once: an id in use, queued or remembered is refused.
 
-        ``lease_start_ns`` is when this side learnt of the producer's lease (or last
-        heartbeated it), on this connector's clock; by default, now. Reads must complete
-        ``lease_margin_ns`` before that lease can have run out, or the request fails.
+        ``lease_start_ns``: when this side learnt of the producer's lease (the params'
+        arrival, or the last heartbeat), on this connector's clock. Reads must complete
+        ``lease_margin_ns`` before that lease can have run out, or the request fails. The
+        default, now, is right only when ``load`` runs as the params arrive: a request
+        that waited in a queue first must pass its arrival time, or a read could be
+        trusted after the producer already reused the blocks.
         """
+        self._submit(self._read_requested(request_id, local_block_ids, params, lease_start_ns))
+
+    def _read_requested(self, request_id: str, local_block_ids: Sequence[int],
+                        params: KVTransferParams | Mapping[str, Any], lease_start_ns: int | None) -> ReadRequested:
         rid = _check_id("request_id", request_id)
         p = KVTransferParams.parse(params)
         _check_id("remote_request_id", p.remote_request_id)
         _check_id("remote_engine_id", p.remote_engine_id)
         local = _check_blocks("local_block_ids", local_block_ids)
-        remote = _check_blocks("remote_block_ids", p.remote_block_ids)
+        remote = p.remote_block_ids
         if len(local) > len(remote):
             raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")
-        if p.remote_pp_size < 1:
-            raise InvalidInput("remote_pp_size", f"must be positive, got {p.remote_pp_size}")
-        try:
-            tp_ratio(self.config.tp_size, p.remote_tp_size)
-        except TopologyError as exc:
-            raise InvalidInput("remote_tp_size", str(exc)) from None
+        if lease_start_ns is not None:
+            _check_int("lease_start_ns", lease_start_ns, low=0)
+        self._check_layout(p)
+        self._check_fresh(rid, CONSUMER)
         remote = remote[len(remote) - len(local):] if local else ()
-        self.core.submit(ReadRequested(
+        return ReadRequested(
             source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid, remote_request_id=p.remote_request_id,
             engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
             remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
-            lease_start_ns=lease_start_ns))
+            lease_start_ns=lease_start_ns)
 
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""
@@ -240,10 +271,11 @@ class Connector:
         Sent only to producer engines already connected; returns how many ranks were told.
         """
         p = KVTransferParams.parse(params)
-        if extend_ns <= 0:
-            raise InvalidInput("extend_ns", f"must be positive, got {extend_ns}")
+        _check_id("remote_request_id", p.remote_request_id)
+        _check_id("remote_engine_id", p.remote_engine_id)
+        _check_int("extend_ns", extend_ns, low=1)
+        plan = self._check_layout(p)
         msg = HeartbeatMessage(p.remote_request_id, extend_ns)
-        plan = self.core.plan(p.remote_tp_size, p.remote_pp_size)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         told = 0
         for pp, tp in ranks:
@@ -256,14 +288,48 @@ class Connector:
         return told
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
-        """Everything one scheduler step asks of this worker, then one round of progress."""
-        for rid, (local, params) in metadata.reqs_to_recv.items():
-            self.load(rid, local, params)
-        for rid, blocks in metadata.reqs_to_send.items():
-            self.request_finished(rid, blocks)
-        for rid in metadata.aborted:
+        """Everything one scheduler step asks of this worker, then one round of progress.
+
+        Every entry is checked before any is submitted: a bad one raises InvalidInput
+        naming it, and the step is refused whole."""
+        events: list[ReadRequested | BlocksHeld] = []
+        for rid, entry in metadata.reqs_to_recv.items():
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise InvalidInput(f"reqs_to_recv[{rid!r}]", f"must be (local_block_ids, params), got {entry!r}")
+            events.append(self._read_requested(rid, entry[0], entry[1], None))
+        events += [self._blocks_held(rid, blocks, None) for rid, blocks in metadata.reqs_to_send.items()]
+        aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
+        ids = [(type(e), e.request_id) for e in events]
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("reqs_to_recv", "a request id appears twice")
+        for ev in events:
+            self._submit(ev)
+        for rid in aborted:
             self.abort(rid)
         self.step()
+
+    def _check_layout(self, p: KVTransferParams) -> ReadPlan:
+        try:
+            return self.core.plan(p.remote_tp_size, p.remote_pp_size)
+        except TopologyError as exc:
+            raise InvalidInput("remote_tp_size", str(exc)) from None
+
+    def _check_fresh(self, rid: str, target: int) -> None:
+        """One request per id and side: refused while the id is live, queued for the core, or
+        remembered as finished (late news about it is still expected). A producer request that
+        exists only because its notifications came early is waiting for exactly this hold."""
+        core = self.core
+        live: Any = (core.consumers if target == CONSUMER else core.producers).get(rid)
+        if live is not None and target == PRODUCER and live.state is ProducerStates.STAGED:
+            live = None
+        was = core.remembered(target, rid)
+        if live is not None or was is not None or rid in self._queued[target]:
+            state = live.state if live is not None else was
+            raise InvalidInput("request_id", f"{rid!r} is already in use on this side ({state or 'queued'})")
+
+    def _submit(self, ev: ReadRequested | BlocksHeld) -> None:
+        self._queued[CONSUMER if isinstance(ev, ReadRequested) else PRODUCER].add(ev.request_id)
+        self.core.submit(ev)
 
     # --- every step -----------------------------------------------------------------------------
 
@@ -275,6 +341,8 @@ class Connector:
         core = self.core
         for _ in range(rounds):
             core.pump()
+            for queued in self._queued.values():  # applied: live or remembered from now on
+                queued.clear()
             self._execute(core.take_commands())
             self.transport.progress()
             self.handshaker.progress()
@@ -309,9 +377,9 @@ class Connector:
                     expired.add(cmd.request_id)
             elif isinstance(cmd, HandOff):
                 recving.add(cmd.request_id)
+                invalid.update(cmd.invalid_blocks)
                 if cmd.outcome == "failed":
                     failed.append(cmd)
-                    invalid.update(cmd.invalid_blocks)
                 elif cmd.outcome == "aborted":
                     aborted.add(cmd.request_id)
         self.last = StepOutput(step=self._step, finished_sending=frozenset(sending),

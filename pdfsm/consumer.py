@@ -130,7 +130,31 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False
     e = core.engines.get((ev.engine_id, 0))
-    return e is not None and e.state is CONNECTED
+    if e is None or e.state is not CONNECTED:
+        return False
+    r = e.reply
+    return (r is not None and r.tp_size == ev.remote_tp and r.pp_size == 1
+            and (not r.num_blocks or max(ev.remote_blocks) < r.num_blocks))
+
+
+def disagreement(req: ReadRequested, core: Core) -> str | None:
+    """How the request's params contradict a connected engine's validated handshake reply, if they
+    do: the producer's TP or PP size, or a block id it does not have. Reading with such params
+    would move the wrong slices or the wrong blocks, and notify the wrong ranks."""
+    if not req.local_blocks:
+        return None
+    top = max(req.remote_blocks)
+    for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
+        e = core.engines.get((req.engine_id, pp))
+        r = e.reply if e is not None and e.state is CONNECTED else None
+        if r is None:
+            continue
+        if (r.tp_size, r.pp_size) != (req.remote_tp, req.remote_pp):
+            return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
+                    f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
+        if r.num_blocks and top >= r.num_blocks:
+            return (f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks")
+    return None
 
 
 def _foreign_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -160,6 +184,14 @@ def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 def _past_deadline(m: ConsumerRequest, ev: EngineReady | HandleDone, core: Core) -> bool:
     """Too late to trust a read: it could complete after the producer reused the blocks."""
     return bool(m.deadline) and ev.t_ns >= m.deadline
+
+
+def _disagrees(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return disagreement(ev, core) is not None
+
+
+def _disagrees_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    return m.req is not None and disagreement(m.req, core) is not None
 
 
 def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -346,6 +378,8 @@ def _fail_unread(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
         _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
     elif m.plan is None or len(ev.local_blocks) != len(ev.remote_blocks):
         _fail(m, "the two engines' layouts cannot exchange KV blocks", False)
+    elif (why := disagreement(ev, core)) is not None:
+        _fail(m, why, True)
     else:
         _fail(m, "the producer's lease may already have run out: its blocks cannot be trusted", True)
     core.ready(m)
@@ -445,6 +479,16 @@ def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     core.ready(m)
 
 
+def _refused_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    """The params contradict the handshake: nothing is read, and nobody is notified (a plan built
+    on wrong params would notify the wrong ranks); the producer's lease releases its blocks."""
+    assert m.req is not None
+    _fail(m, disagreement(m.req, core) or "", True)
+    m.waiting &= ~(1 << ev.pp_rank)
+    _stop_waiting(m, core)
+    core.ready(m)
+
+
 def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
     _stopped(m, ev)
     _let_go(m)
@@ -507,9 +551,16 @@ def _hand_off(m: ConsumerRequest, ev: Reported, core: Core) -> None:
         core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks,
                           policy=core.config.policy, reason=m.error))
         core.finished(m, "failed", ev.t_ns)
-    else:
-        core.emit(HandOff(request_id=m.request_id, outcome="aborted", reason=m.error))
+    else:  # aborted: its blocks are invalid too unless every read into them completed
+        plan = m.plan
+        whole = plan is not None and bool(plan.all_read) and m.done == plan.all_read
+        core.emit(HandOff(request_id=m.request_id, outcome="aborted", reason=m.error,
+                          invalid_blocks=() if whole else m.local_blocks))
         core.finished(m, "aborted", ev.t_ns)
+
+
+def _why(m: ConsumerRequest, ev: object, core: Core) -> str:
+    return m.error
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -541,6 +592,8 @@ TABLE: Final[Table] = Table(
             Go(S.FAILED, _fail_unread, when=_bad_topology, fault=local,
                reason="the engines' layouts cannot exchange KV blocks"),
             Go(S.FAILED, _fail_unread, when=_lease_over),
+            Go(S.FAILED, _fail_unread, when=_disagrees, fault=remote,
+               reason="the params contradict the producer's handshake reply", explain=_why),
             Go(S.HANDSHAKING, _wait_for_engines, when=_engines_pending),
             Go(S.RELEASED, _notify_only_now, when=_nothing_to_read),
             Go(S.READING, _read_now),
@@ -558,6 +611,8 @@ TABLE: Final[Table] = Table(
             Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
             Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
             Go(S.FAILED, _timed_out_ready, when=_past_deadline),
+            Go(S.FAILED, _refused_when_ready, when=_disagrees_when_ready, fault=remote,
+               reason="the params contradict the producer's handshake reply", explain=_why),
             Go(S.READING, _all_engines_ready),
         ),
         on(

@@ -446,6 +446,11 @@ class Core:
             for key, m in table.items():
                 yield name, key, m
 
+    def remembered(self, target: int, key: Any) -> State | None:
+        """The terminal state a finished machine of kind ``target`` (CONSUMER, PRODUCER, ENGINE)
+        was remembered in, or None."""
+        return self._remembered[target].get(key)
+
     @property
     def pending_hand_offs(self) -> int:
         return len(self.ready_ids)

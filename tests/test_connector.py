@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from helpers import reply
 
@@ -11,6 +12,7 @@ from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
 from pdfsm.errors import InvalidInput
 from pdfsm.events import CoreConfig
+from pdfsm.fsm import Fault
 from pdfsm.topology import Layout, read_plan
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
 
@@ -137,9 +139,80 @@ def test_abort_at_every_stage_reports_once_and_frees_nothing_early(stage: str) -
         assert d.core.consumers["d1"].state.name == "NOTIFIED"
     d.abort("d1")
     d.abort("d1")  # twice: harmless
-    _, recv = w.run()
+    invalid: set[int] = set()
+    recv: dict[str, int] = {}
+    for _ in range(8):
+        _, got = w.run(steps=1)
+        recv.update(got)
+        invalid |= d.get_block_ids_with_load_errors()
     assert recv == {"d1": 1}
     assert not w.dt[0].reads  # no read left in flight when it was reported
+    # Blocks some read did not fill are reported with the request; a completed read's are valid.
+    assert invalid == (set() if stage == "notified" else {5, 6})
+
+
+def test_a_request_failed_then_aborted_still_reports_its_blocks_invalid() -> None:
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    w.net.script("d1", 0, 0, ReadScript(polls=1, end="err"))
+    d = w.d[0]
+    d.load("d1", [5, 6], params)
+    for _ in range(4):
+        d.step()
+    assert d.core.consumers["d1"].state.name == "FAILED"
+    d.abort("d1")  # before the scheduler collected it
+    _, recv = w.run(steps=1)
+    assert recv == {"d1": 1} and d.last.aborted == {"d1"}
+    assert d.get_block_ids_with_load_errors() == {5, 6}
+
+
+@pytest.mark.parametrize("when", ["queued", "live", "finished"])
+def test_a_request_id_is_loaded_once_refused_at_once_otherwise(when: str) -> None:
+    """vLLM PR 27987 (duplicate request ids reached the engine): a second load of an id in use is
+    refused synchronously, and the first request is untouched (not quarantined, not lost)."""
+    w = World()
+    params, again = w.prefill("p1", [1, 2]), w.prefill("p2", [3, 4])
+    d = w.d[0]
+    d.load("d1", [5, 6], params)
+    sent: dict[str, int] = {}
+    recv: dict[str, int] = {}
+    if when == "live":
+        d.step()
+        assert d.core.consumers["d1"].state.name in ("HANDSHAKING", "READING")
+    if when == "finished":
+        sent, recv = w.run()
+        assert recv == {"d1": 1}
+    with pytest.raises(InvalidInput) as err:
+        d.load("d1", [7, 8], again)
+    assert err.value.field == "request_id" and "already in use" in err.value.problem
+    more_sent, more = w.run()
+    sent.update(more_sent)
+    recv.update(more)
+    assert recv == {"d1": 1} and sent == {"p1": 1}  # p2 was never read: the scheduler knows, it was told
+    assert not d.core.violations[Fault.LOCAL] and not d.last.failed
+
+
+def test_a_producer_request_is_held_once_but_early_notifications_wait_for_it() -> None:
+    w = World()
+    p = w.p[0]
+    params = p.request_finished("p1", [1, 2])
+    with pytest.raises(InvalidInput, match="already in use"):
+        p.request_finished("p1", [3, 4])  # params for blocks nobody would hold
+    w.d[0].load("d1", [5, 6], params)
+    sent, _ = w.run()
+    assert sent == {"p1": 1}
+    with pytest.raises(InvalidInput, match="RELEASED"):
+        p.request_finished("p1", [3, 4])
+    # A consumer that reads and notifies before the producer registered the request (vLLM PR 43509):
+    # the early notification is staged, and the hold it waits for is accepted.
+    early = msgspec.structs.replace(params, remote_request_id="p9")
+    w.d[0].load("d9", [7, 8], early)
+    w.run(steps=3)
+    assert p.core.producers["p9"].state.name == "STAGED"
+    p.request_finished("p9", [1, 2])
+    sent, _ = w.run(steps=2)
+    assert sent == {"p9": 1}
+    assert not p.core.violations[Fault.LOCAL]
 
 
 def test_notify_only_request_tells_the_producer_and_is_not_reported() -> None:
@@ -215,6 +288,15 @@ def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
         (lambda: w.p[0].request_finished("y", [1.5]), "block_ids"),  # type: ignore[list-item]
         (lambda: w.p[0].request_finished("y", [1], lease_ns=0), "lease_ns"),
         (lambda: d.heartbeat(params, 0), "extend_ns"),
+        (lambda: d.heartbeat(params, "5"), "extend_ns"),  # type: ignore[arg-type]
+        (lambda: d.load("x", None, params), "local_block_ids"),  # type: ignore[arg-type]
+        (lambda: d.load("x", [1], None), "kv_transfer_params"),  # type: ignore[arg-type]
+        (lambda: d.load("x", [1], params, lease_start_ns="0"), "lease_start_ns"),  # type: ignore[arg-type]
+        # A typed instance is checked too: its constructor checks neither types nor bounds.
+        (lambda: d.load("x", [1], KVTransferParams(remote_engine_id="P", remote_request_id="p1",
+                                                   lease_ns="1")), "lease_ns"),  # type: ignore[arg-type]
+        (lambda: d.load("x", [1], {**params.to_dict(), "remote_port": 70000}), "remote_port"),
+        (lambda: w.p[0].request_finished("y", [1], lease_ns=True), "lease_ns"),
     ]
     for call, field in cases:
         with pytest.raises(InvalidInput) as err:
@@ -230,6 +312,19 @@ def test_start_load_kv_takes_a_whole_step_of_metadata() -> None:
     w.d[0].start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((7,), params)}, aborted=("ghost",)))
     _, recv = w.run()
     assert recv == {"d1": 1}
+
+
+def test_start_load_kv_refuses_a_bad_step_whole() -> None:
+    w = World()
+    params = w.prefill("p1", [1])
+    d = w.d[0]
+    d.load("x", [3], params)
+    bad = ConnectorMetadata(reqs_to_recv={"a": ((7,), params), "b": ((7, 8), params)}, aborted=("x",))
+    with pytest.raises(InvalidInput, match="2 local blocks for 1 remote"):
+        d.start_load_kv(bad)
+    _, recv = w.run()
+    assert recv == {"x": 1}  # "a" was never submitted, and the abort of x was not applied either
+    assert not d.last.aborted
 
 
 def test_heartbeat_extends_the_producer_lease() -> None:

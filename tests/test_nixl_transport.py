@@ -294,13 +294,19 @@ def test_read_setup_failure_is_reported_not_raised() -> None:
     (p,) = engine(net, "P", 1, 8, 256, fill=True)
     (d,) = engine(net, "D", 1, 8, 256, fill=False)
     try:
-        params = p.conn.request_finished("r", [1, 99])  # block 99 does not exist on P
-        d.conn.load("rd", [0, 1], params)
+        params = p.conn.request_finished("r", [1, 2])
+        d.conn.load("rd", [0, 99], params)  # local block 99 does not exist on D: NIXL cannot set it up
         run_until([d], lambda: "rd" in d.recving)
         (failed,) = d.conn.last.failed
-        assert failed.invalid_blocks == (0, 1)
+        assert failed.invalid_blocks == (0, 99)
         (ev,) = d.events(HandleFailed)
         assert ev.why is HandleFailure.SETUP and "99" in ev.detail
+        # A remote block P does not have never reaches NIXL: P's handshake counted its blocks.
+        params = p.conn.request_finished("r2", [1, 99])
+        d.conn.load("rd2", [0, 1], params)
+        run_until([d], lambda: "rd2" in d.recving)
+        (failed,) = d.conn.last.failed
+        assert "remote block 99 is out of range" in failed.reason and len(d.events(HandleFailed)) == 1
     finally:
         close_all([p, d])
 

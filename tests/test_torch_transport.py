@@ -417,8 +417,12 @@ def test_layers_covered_exactly_once_or_the_read_fails_setup() -> None:
     params = qs[(0, 0)].conn.request_finished("rq", [1, 2])
     e.conn.load("re", [5, 6], msgspec.structs.replace(params, remote_pp_size=1))  # a wrong router
     run_until([e], lambda: "re" in e.recving, pause=PAUSE)
-    (ev,) = e.events(HandleFailed)
-    assert ev.why is HandleFailure.SETUP and "holds local layers 2-3: they would not be read" in ev.detail
+    # The core refuses it before any read: the handshake says PP 2 (the transport's own layer check,
+    # "holds local layers 2-3: they would not be read", is the second line of defence).
+    assert not e.events(HandleFailed)
+    (failed,) = e.conn.last.failed
+    assert "the params say Q has TP 1 and PP 1" in failed.reason and "says TP 1 and PP 2" in failed.reason
+    assert not any(t.any() for t in e.kv)
     for rk in (*ps.values(), d, *qs.values(), e):
         rk.conn.shutdown()
 
