@@ -79,7 +79,7 @@ def make_rows(n: int) -> list[Row]:
     for e, engine_id in enumerate(engines):
         rid = f"warm-{e}"
         core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
-                                  engine_id=engine_id, host="10.0.0.7", port=5600 + e,
+                                  engine_id=engine_id, remote_tp=2, host="10.0.0.7", port=5600 + e,
                                   local_blocks=(1,), remote_blocks=(2,)))
         core.pump()
         reply = HandshakeReply(engine_id=engine_id, compat_hash="c0ffee", tp_size=2, num_blocks=4096,
@@ -101,17 +101,17 @@ def make_rows(n: int) -> list[Row]:
             blocks = tuple(range(i % 97, i % 97 + 1 + i % 13))
             deadline = Deadline("monotonic", t + 5_000_000_000) if i % 3 == 0 else None
             core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
-                                      engine_id=engine_id, host="10.0.0.7", port=5600, local_blocks=blocks,
+                                      engine_id=engine_id, remote_tp=2, host="10.0.0.7", port=5600, local_blocks=blocks,
                                       remote_blocks=tuple(b + 1000 for b in blocks), deadline=deadline))
             core.submit(HandleDone(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0))
         elif kind == 6:  # a failed read
             core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
-                                      engine_id=engine_id, local_blocks=(5, 6), remote_blocks=(7, 8)))
+                                      engine_id=engine_id, remote_tp=2, local_blocks=(5, 6), remote_blocks=(7, 8)))
             core.submit(HandleFailed(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0,
                                      why=HandleFailure.ERR, detail="NIXL_ERR_REMOTE_DISCONNECT"))
         elif kind == 7:  # an abort while reading
             core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
-                                      engine_id=engine_id, local_blocks=(9,), remote_blocks=(10,)))
+                                      engine_id=engine_id, remote_tp=2, local_blocks=(9,), remote_blocks=(10,)))
             core.submit(AbortRequested(source="scheduler", t_ns=t + 5, request_id=rid))
             core.submit(HandleDone(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0))
         else:  # producer side: hold, heartbeat, notification
@@ -125,6 +125,7 @@ def make_rows(n: int) -> list[Row]:
             core.submit(Tick(source="timer", t_ns=t + 30))
         core.pump()
     log.close()
+    assert not any(row[7] for row in sink.rows), "the workload must record no violation"
     return sink.rows[:n]
 
 
