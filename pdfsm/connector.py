@@ -299,9 +299,6 @@ class Connector:
             events.append(self._read_requested(rid, entry[0], entry[1], None))
         events += [self._blocks_held(rid, blocks, None) for rid, blocks in metadata.reqs_to_send.items()]
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
-        ids = [(type(e), e.request_id) for e in events]
-        if len(set(ids)) != len(ids):
-            raise InvalidInput("reqs_to_recv", "a request id appears twice")
         for ev in events:
             self._submit(ev)
         for rid in aborted:

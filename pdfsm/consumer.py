@@ -39,6 +39,7 @@ from pdfsm.events import (
     EngineReady,
     HandleDone,
     HandleFailed,
+    HandshakeReply,
     Quarantined,
     ReadRequested,
     Reported,
@@ -132,28 +133,32 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     e = core.engines.get((ev.engine_id, 0))
     if e is None or e.state is not CONNECTED:
         return False
-    r = e.reply
-    return (r is not None and r.tp_size == ev.remote_tp and r.pp_size == 1
-            and (not r.num_blocks or max(ev.remote_blocks) < r.num_blocks))
+    return e.reply is not None and _contradiction(e.reply, ev, 0) is None
+
+
+def _contradiction(r: HandshakeReply, req: ReadRequested, pp: int) -> str | None:
+    """How the request's params contradict one engine's validated handshake reply, if they do: the
+    producer's TP or PP size, or a block id it does not have. Reading with such params would move
+    the wrong slices or the wrong blocks, and notify the wrong ranks."""
+    if r.tp_size != req.remote_tp or r.pp_size != req.remote_pp:
+        return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
+                f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
+    if r.num_blocks and req.remote_blocks and (top := max(req.remote_blocks)) >= r.num_blocks:
+        return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks"
+    return None
 
 
 def disagreement(req: ReadRequested, core: Core) -> str | None:
-    """How the request's params contradict a connected engine's validated handshake reply, if they
-    do: the producer's TP or PP size, or a block id it does not have. Reading with such params
-    would move the wrong slices or the wrong blocks, and notify the wrong ranks."""
+    """The first contradiction between a request with blocks to read and the engines it reads
+    from that are connected, if any."""
     if not req.local_blocks:
         return None
-    top = max(req.remote_blocks)
     for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
         e = core.engines.get((req.engine_id, pp))
-        r = e.reply if e is not None and e.state is CONNECTED else None
-        if r is None:
-            continue
-        if (r.tp_size, r.pp_size) != (req.remote_tp, req.remote_pp):
-            return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
-                    f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
-        if r.num_blocks and top >= r.num_blocks:
-            return (f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks")
+        if e is not None and e.state is CONNECTED and e.reply is not None:
+            why = _contradiction(e.reply, req, pp)
+            if why is not None:
+                return why
     return None
 
 
@@ -472,21 +477,23 @@ def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     _last_stopped(m, ev, core)
 
 
-def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
-    _fail(m, "deadline passed while waiting for the remote engine", True)
+def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
+    """The last engine is ready but the request will not read: nothing was posted, so nobody is
+    notified (the producer's lease releases its blocks). The ready engine already forgot it."""
+    _fail(m, error, True)
     m.waiting &= ~(1 << ev.pp_rank)
     _stop_waiting(m, core)
     core.ready(m)
+
+
+def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    _give_up_when_ready(m, ev, core, "deadline passed while waiting for the remote engine")
 
 
 def _refused_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
-    """The params contradict the handshake: nothing is read, and nobody is notified (a plan built
-    on wrong params would notify the wrong ranks); the producer's lease releases its blocks."""
+    """The params contradict the handshake (a plan built on them would notify the wrong ranks)."""
     assert m.req is not None
-    _fail(m, disagreement(m.req, core) or "", True)
-    m.waiting &= ~(1 << ev.pp_rank)
-    _stop_waiting(m, core)
-    core.ready(m)
+    _give_up_when_ready(m, ev, core, disagreement(m.req, core) or "")
 
 
 def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
