@@ -58,6 +58,7 @@ names the file and byte offset, and nothing is truncated.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import shutil
@@ -329,6 +330,42 @@ class _Frame(NamedTuple):
     end: int
 
 
+LOCK_NAME: Final = "writer.lock"
+"""The file in a log directory that its one live writer holds locked (``flock``)."""
+
+
+def lock_writer(directory: Path) -> int:
+    """Take the directory's writer lock; its fd, which holds it until closed (by the kernel, when
+    the process dies). A second writer would recover, and append to, a log still being written."""
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LogWriteError("another writer holds this log", path=directory) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def writer_holds(path: str | os.PathLike[str]) -> bool:
+    """Whether a live writer holds the log (a directory, or a segment file's directory)."""
+    p = Path(path)
+    lock = (p if p.is_dir() else p.parent) / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a shared lock taken here
+    return False
+
+
 def segment_paths(path: str | os.PathLike[str]) -> list[Path]:
     """One file, or a directory's segments in sequence order (by the start seq in their names)."""
     p = Path(path)
@@ -360,13 +397,17 @@ def _parse_header(fd: int, size: int, path: Path) -> SegmentHeader | str:
     raw = _pread(fd, fixed, 0)
     magic, version, _flags, meta_len, start, salt = HEADER_FIXED.unpack(raw)
     if magic != MAGIC:
-        return "bad magic: not a pdfsm log segment"
+        # Headers are renamed into place whole, so the only torn header a crash leaves is one
+        # that never reached the disk (zeros); anything else is not a log.
+        if raw.count(0) == len(raw):
+            return "header is zeros: never reached the disk"
+        raise CorruptLogError("bad magic: not a pdfsm log segment", path=path, offset=0)
     if version > FORMAT_VERSION:
         raise UnsupportedVersionError(
             f"log format version {version} is newer than this reader's {FORMAT_VERSION}: upgrade pdfsm",
             path=path, offset=8)
     if version < 1:
-        return f"format version {version} was never released"
+        raise CorruptLogError(f"format version {version} was never released", path=path, offset=0)
     if meta_len > MAX_META or fixed + meta_len + 4 > size:
         return f"header metadata length {meta_len} exceeds the cap or the file"
     rest = _pread(fd, meta_len + 4, fixed)
@@ -375,8 +416,9 @@ def _parse_header(fd: int, size: int, path: Path) -> SegmentHeader | str:
         return "header CRC mismatch"
     try:
         meta = msgspec.msgpack.decode(rest[:meta_len], type=dict[str, Any])
-    except msgspec.MsgspecError as e:
-        return f"header metadata does not decode: {e}"
+    except (msgspec.MsgspecError, RecursionError) as e:  # deep nesting passes the cap, not the stack
+        # The CRC held, so these are the bytes that were written: not a torn write.
+        raise CorruptLogError(f"header metadata does not decode: {e}", path=path, offset=fixed) from e
     return SegmentHeader(version, start, salt, meta, fixed + meta_len + 4, crc)
 
 
@@ -532,6 +574,9 @@ def _repair(err: TornTailError, header_size: int | None) -> Repair:
         offset = 0
     else:
         shutil.copyfile(path, backup)
+        with open(backup, "rb") as kept:  # the copy is durable before the original is cut
+            os.fsync(kept.fileno())
+        _fsync_dir(path.parent)
         with open(path, "r+b") as f:
             f.truncate(offset)
             f.flush()
@@ -611,10 +656,11 @@ class LogReader:
                 else:
                     raw = msgspec.msgpack.decode(fr.payload, type=list[list[Any]])
                     recs = msgspec.convert(upcast(raw, schema, current=SCHEMA_VERSION), list[Record])
-            except msgspec.MsgspecError as e:
+            except (msgspec.MsgspecError, RecursionError) as e:
                 raise CorruptLogError(f"payload does not decode as schema {schema}: {e}",
                                       path=path, offset=fr.offset) from e
-            if list(map(seq_of, recs)) != list(range(fr.base_seq, fr.base_seq + fr.n)):
+            # The count is checked first: the frame's own count must not size anything we build.
+            if len(recs) != fr.n or list(map(seq_of, recs)) != list(range(fr.base_seq, fr.base_seq + fr.n)):
                 raise CorruptLogError(f"records do not carry seqs {fr.base_seq}..{fr.base_seq + fr.n - 1}",
                                       path=path, offset=fr.offset)
             yield recs

@@ -27,7 +27,8 @@ queued: the writer hands every drained batch to the kernel at once):
 - ``every(ms)``: fdatasync at most ``ms`` after the first unsynced write
   (even when idle). Loss window: about ``ms`` plus one write's time of records.
 - ``never``: fsync only at :meth:`FileSink.close` and :meth:`FileSink.sync`
-  (not even at rotation). Loss window: everything since the last of those;
+  (not even at rotation; those two fsync every segment created since, and the
+  directory). Loss window: everything since the last of those;
   after a machine crash an earlier segment may be torn, which the reader
   reports as corruption.
 
@@ -59,6 +60,7 @@ from pdfsm.filelog import (
     Recovery,
     encode_frame,
     encode_header,
+    lock_writer,
     recover,
     segment_name,
     segment_paths,
@@ -124,6 +126,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_dirs(directory: Path) -> None:
+    """Create the log directory and make each new level durable in its parent."""
+    made = []
+    d = directory
+    while not d.exists():
+        made.append(d)
+        if d.parent == d:
+            break
+        d = d.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    for new in reversed(made):
+        _fsync_dir(new.parent)
+
+
 class FileSink:
     """Writes the event log to a directory of segments, on its own thread.
 
@@ -163,8 +179,13 @@ class FileSink:
         self.on_ack: Final = on_ack
         self.metadata: Final[dict[str, Any]] = {"created_ns": time.time_ns(), "pid": os.getpid(),
                                                 **(metadata or {})}
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.recovery: Final[Recovery] = recover(self.directory, max_frame_bytes=max_frame_bytes)
+        _make_dirs(self.directory)
+        self._lock = lock_writer(self.directory)
+        try:
+            self.recovery: Final[Recovery] = recover(self.directory, max_frame_bytes=max_frame_bytes)
+        except BaseException:
+            os.close(self._lock)
+            raise
         start = self.recovery.next_seq
         # owner side
         self._next_in = start  # the seq the next handed-over row must have
@@ -193,7 +214,12 @@ class FileSink:
         self._fd = -1
         self._prev_crc = 0
         self._seg_size = 0
-        self._open_segment(start)
+        self._unsynced: list[Path] = []  # under ``never``: segments created since the last sync
+        try:
+            self._open_segment(start)
+        except BaseException:
+            os.close(self._lock)
+            raise
         self._thread = threading.Thread(target=self._run, name="pdfsm-filelog", daemon=True)
         self._thread.start()
 
@@ -312,6 +338,7 @@ class FileSink:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            os.close(self._lock)
 
     def _loop(self) -> None:
         cond, queue, mode = self._cond, self._queue, self.fsync.mode
@@ -341,6 +368,7 @@ class FileSink:
             if closing:
                 os.close(self._fd)
                 self._fd = -1
+                os.close(self._lock)
                 return
 
     def _write(self, items: list[list[Row] | _Lost]) -> None:
@@ -407,6 +435,15 @@ class FileSink:
             self._cond.notify_all()
 
     def _sync(self) -> None:
+        if self._unsynced:  # ``never`` created (and filled) these unsynced: nothing in them is acked before
+            for path in self._unsynced:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(self.directory)
+            self._unsynced.clear()
         if self._dirty:
             os.fdatasync(self._fd)
             self._dirty = False
@@ -429,6 +466,8 @@ class FileSink:
             for old in self._segments[:-keep]:
                 old.unlink(missing_ok=True)
                 self.segments_deleted += 1
+                if old in self._unsynced:
+                    self._unsynced.remove(old)
             del self._segments[:-keep]
             if self.fsync.mode != "never":
                 _fsync_dir(self.directory)
@@ -446,6 +485,8 @@ class FileSink:
             os.replace(tmp, final)  # an empty segment at the same start (a crash right after rotating)
             if self.fsync.mode != "never":
                 _fsync_dir(self.directory)
+            else:
+                self._unsynced.append(final)
         except BaseException:
             os.close(fd)
             raise

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import math
 import os
 import sys
 import time
@@ -32,7 +33,15 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from pdfsm.events import CoreConfig, Started
-from pdfsm.filelog import Gap, LogError, LogReader, UnsupportedVersionError, read_header, segment_paths
+from pdfsm.filelog import (
+    Gap,
+    LogError,
+    LogReader,
+    UnsupportedVersionError,
+    read_header,
+    segment_paths,
+    writer_holds,
+)
 from pdfsm.log import EventLog, Record
 from pdfsm.replay import (
     Divergence,
@@ -210,8 +219,11 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
     for arg in paths:
         p = Path(arg)
-        subs = sorted(c for c in p.iterdir() if c.is_dir() and _has_segments(c)) \
-            if p.is_dir() and not _has_segments(p) else []
+        try:
+            subs = sorted(c for c in p.iterdir() if c.is_dir() and _has_segments(c)) \
+                if p.is_dir() and not _has_segments(p) else []
+        except OSError:  # unreadable: load() says so as the log's status
+            subs = []
         for log in subs or [p]:
             name = log.parent.name if log.is_file() and log.name[:1].isdigit() else log.name
             found.append((name or str(log), log))
@@ -243,14 +255,24 @@ class _Reader(LogReader):
 def load(name: str, path: Path, *, repair: bool = False, progress: Progress | None = None) -> LoadedLog:
     """Read one log whole. Never raises for a bad log: the problem is in the result's status."""
     out = LoadedLog(name, str(path))
+    try:
+        return _load(out, path, repair=repair, progress=progress)
+    except OSError as e:  # unreadable (permissions, a vanished file): a status, like any bad log
+        out.records, out.status, out.error = [], "no_log", f"{path}: cannot read: {e}"
+        return out
+
+
+def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None) -> LoadedLog:
     files = segment_paths(path) if path.exists() else []
     if not files or not all(f.is_file() for f in files):
         out.status, out.error = "no_log", f"{path}: no log segments here"
         return out
+    if repair and writer_holds(path):  # cutting a live writer's tail would lose what it is writing
+        repair = False
     bar = progress or _NoProgress()
     sizes = {f: f.stat().st_size for f in files}
     before = {f: sum(sizes[g] for g in files[:i]) for i, f in enumerate(files)}
-    bar.start(f"reading {name}", sum(sizes.values()))
+    bar.start(f"reading {out.name}", sum(sizes.values()))
     reader = _Reader(path, lambda f, end: bar.update(before.get(f, 0) + end),
                      on_torn_tail="repair" if repair else "stop")
     try:
@@ -264,7 +286,8 @@ def load(name: str, path: Path, *, repair: bool = False, progress: Progress | No
         bar.stop()
     out.gaps = list(reader.gaps)
     if reader.headers:
-        out.meta = {k: v for k, v in reader.headers[0].meta.items() if isinstance(v, (str, int, float, bool))}
+        out.meta = {k: v for k, v in reader.headers[0].meta.items()
+                    if isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v))}  # strict JSON
     if reader.torn is not None and out.status == "ok":
         t = reader.torn
         out.status = "torn_tail"
@@ -537,7 +560,7 @@ def _resolve_at(specs: Sequence[str], names: Sequence[str]) -> list[int | None] 
     per: dict[str, int] = {}
     for spec in specs:
         name, _, seq = spec.rpartition(":")
-        if not seq.isdigit():
+        if not (seq.isascii() and seq.isdigit()):  # str.isdigit alone takes "²", which int() refuses
             return f"--at {spec!r}: expected SEQ or LOG:SEQ with SEQ a non-negative integer"
         if not name:
             default = int(seq)
@@ -578,6 +601,16 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] = prin
         if not followed.entries:
             out(f"  request {request!r} is in none of the logs (as a decode-local id or a producer id)")
     return code
+
+
+def write_output(path: str, text: str, command: str) -> bool:
+    """Write a command's output file; on failure say why in one line (the caller exits 2)."""
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        print(f"{command}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return False
+    return True
 
 
 def replay_command(args: argparse.Namespace) -> int:

@@ -24,13 +24,12 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
-from pdfsm.postmortem import LoadedLog, load_all, warn_unreadable
+from pdfsm.postmortem import Exit, LoadedLog, load_all, warn_unreadable, write_output
 from pdfsm.replay import Visit, event_detail, machine_key, summarize, visits
 
 __all__ = ["STATE_COLOURS", "TIMELINE_BG", "diagram_svg", "render_report", "report_command", "timeline_svg"]
@@ -356,6 +355,7 @@ def report_command(args: argparse.Namespace) -> int:
         if log.status == "divergence":
             print(f"pdfsm report: {log.name}: {log.error.splitlines()[0]}", file=sys.stderr)
     code = next((int(log.exit_code) for log in logs if log.exit_code), 0)  # the first failing log's, as replay
-    Path(args.output).write_text(render_report(logs, rows=args.rows))
+    if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
+        return Exit.USAGE
     print(f"wrote {args.output}: {len(logs)} logs, self-contained (open it in any browser)")
     return code

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Final
 
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, load_all, record_json, warn_unreadable
+from pdfsm.postmortem import Exit, load_all, record_json, warn_unreadable, write_output
 from pdfsm.replay import event_detail, machine_key, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
@@ -109,7 +108,8 @@ def trace_command(args: argparse.Namespace) -> int:
     logs = load_all(args.logs, check=False)
     code = warn_unreadable(logs, "pdfsm trace")
     doc = chrome_trace([(log.name, log.records) for log in logs], events=not args.no_events)
-    Path(args.output).write_text(json.dumps(doc, separators=(",", ":")))
+    if not write_output(args.output, json.dumps(doc, separators=(",", ":")), "pdfsm trace"):
+        return Exit.USAGE
     kinds: dict[str, int] = {}
     for e in doc["traceEvents"]:
         kinds[e["ph"]] = kinds.get(e["ph"], 0) + 1
