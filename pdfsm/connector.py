@@ -230,12 +230,18 @@ class Connector:
         read, the producer is told it may release, and the request is not reported.
         A request id is loaded once: an id in use, queued or remembered is refused.
 
-        ``lease_start_ns``: when this side learnt of the producer's lease (the params'
-        arrival, or the last heartbeat), on this connector's clock. Reads must complete
-        ``lease_margin_ns`` before that lease can have run out, or the request fails. The
-        default, now, is right only when ``load`` runs as the params arrive: a request
-        that waited in a queue first must pass its arrival time, or a read could be
-        trusted after the producer already reused the blocks.
+        ``lease_start_ns``: on this connector's clock, and not after now, the time from which
+        the producer's lease of the params' ``lease_ns`` is known to run: the params'
+        arrival. Reads must complete ``lease_margin_ns`` before that lease can have run
+        out, or the request fails. The default, now, is right only when ``load`` runs as
+        the params arrive: a request that waited in a queue first must pass its arrival
+        time, or a read could be trusted after the producer already reused the blocks.
+        A :meth:`heartbeat` sent at ``t`` that every rank took (it returned all of them),
+        while the lease known then had more than the margin to run, makes the lease known
+        to run until ``t + extend_ns``: pass the later of the arrival and
+        ``t + extend_ns - lease_ns``, capped at now (``t`` when ``extend_ns`` is the lease).
+        Never the heartbeat's time with a shorter extension: the producer extends to its
+        arrival plus ``extend_ns``, no further.
         """
         self._submit(self._read_requested(request_id, local_block_ids, params, lease_start_ns))
 
@@ -249,13 +255,16 @@ class Connector:
         remote = p.remote_block_ids
         if len(local) > len(remote):
             raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")
+        now = self._clock()
         if lease_start_ns is not None:
             _check_int("lease_start_ns", lease_start_ns, low=0)
+            if lease_start_ns > now:  # another clock's time (wall clock): it would stretch the lease
+                raise InvalidInput("lease_start_ns", f"{lease_start_ns} is after now ({now}) on this connector's clock")
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
         remote = remote[len(remote) - len(local):] if local else ()
         return ReadRequested(
-            source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid, remote_request_id=p.remote_request_id,
+            source=Source.SCHEDULER, t_ns=now, request_id=rid, remote_request_id=p.remote_request_id,
             engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
             remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
             lease_start_ns=lease_start_ns)

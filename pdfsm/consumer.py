@@ -224,6 +224,14 @@ def _other_engines_pending(m: ConsumerRequest, ev: EngineReady, core: Core) -> b
     return m.waiting & ~(1 << ev.pp_rank) != 0
 
 
+def _held_engine_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    """An engine of the plan, other than the one now ready, is no longer connected."""
+    if m.plan is None or m.req is None or len(m.plan.pp_ranks) == 1:
+        return False
+    eid = m.req.engine_id
+    return not all(core.engine_connected((eid, pp)) for pp in m.plan.pp_ranks if pp != ev.pp_rank)
+
+
 def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
     """The source's bit in ``pending``/``done``, or 0 for a rank this request does not read."""
     i = m.plan.position.get((ev.pp_rank, ev.tp_rank)) if m.plan is not None else None
@@ -325,11 +333,21 @@ def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
     _accept(m, ev, core)
     _arm_deadline(m, ev, core)
     assert m.plan is not None
+    _watch_unconnected(m, ev, core)
+
+
+def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core) -> None:
+    """Wait for every engine of the plan not connected now; hold the connected ones, so none is
+    evicted while a sibling still handshakes (vLLM PR 54689)."""
+    assert m.plan is not None
     for pp in m.plan.pp_ranks:
-        if not core.engine_connected((ev.engine_id, pp)):
+        key = (req.engine_id, pp)
+        if core.engine_connected(key):
+            _hold(m, core.engines[key])
+        elif not (m.waiting >> pp) & 1:
             m.waiting |= 1 << pp
-            core.watch(m.request_id, (ev.engine_id, pp), ev.host, ev.port, ev.t_ns)
-    m.waited = m.waiting
+            core.watch(m.request_id, key, req.host, req.port, req.t_ns)
+    m.waited |= m.waiting
 
 
 def _notify_unread(m: ConsumerRequest, core: Core) -> None:
@@ -357,6 +375,14 @@ def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 def _engine_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting &= ~(1 << ev.pp_rank)
     _hold(m, core.engines[(ev.engine_id, ev.pp_rank)])  # a sibling engine may take a while yet
+
+
+def _rewatch_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    """The last engine is ready, but one that was ready before has disconnected (or failed)
+    since: it is handshaken again before anything is read from it."""
+    assert m.req is not None
+    _engine_ready(m, ev, core)
+    _watch_unconnected(m, m.req, core)
 
 
 def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
@@ -616,6 +642,7 @@ TABLE: Final[Table] = Table(
             EngineReady,
             Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
             Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
+            Go(S.HANDSHAKING, _rewatch_lost, when=_held_engine_lost),
             Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
             Go(S.FAILED, _timed_out_ready, when=_past_deadline),
             Go(S.FAILED, _refused_when_ready, when=_disagrees_when_ready, fault=remote,

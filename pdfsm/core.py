@@ -20,6 +20,7 @@ requests by sending garbage.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any, Final
@@ -44,6 +45,7 @@ from pdfsm.events import (
     EngineQuarantined,
     EngineWanted,
     Event,
+    EvictRequested,
     LeaseExpired,
     Quarantined,
     Reported,
@@ -144,6 +146,9 @@ class Core:
         self.engines: Final[dict[EngineKey, engine.RemoteEngine]] = {}
         # Consumer read deadlines and producer leases (staging times too), each on its own wheel.
         self.deadlines, self.leases = timers or (Timers(), Timers())
+        # Engines left FAILED or DISCONNECTED, keyed "pp_rank:engine_id": forgotten when due unless
+        # used again (producers restart under new ids; a router may name engines that never answer).
+        self.idle: Final = Timers()
         # Remembered terminal states: a dict per machine kind, with its keys in arrival order in a
         # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
         # OrderedDict's bookkeeping costs more than this on the hot path).
@@ -170,9 +175,11 @@ class Core:
         self._sinking = self.log.sink is not None
         self._tombstones = config.tombstones
         self._tombstone_ns = config.tombstone_ns or 2 * max(config.lease_ns, config.read_timeout_ns)
+        self._forget_engine_ns = max(self._tombstone_ns, config.handshake_retry_ns)  # never before a retry
         self._last_t = t_ns
         self._logger = logger if logger is not None else structlog.get_logger("pdfsm")
         self.refresh_logging()
+        self.log.owner = threading.get_ident()
         self.apply(Started(source=Source.CORE, t_ns=t_ns, config=config))
 
     def _build_routes(self) -> dict[type, Route]:
@@ -199,6 +206,7 @@ class Core:
 
     def pump(self) -> int:
         """Apply every queued event, in order, then flush the log; returns how many. Owner thread only."""
+        self.log.owner = threading.get_ident()
         dropped = self.log.take_dropped()
         if dropped:
             self.apply(Dropped(source=Source.CORE, t_ns=self._last_t, count=sum(dropped.values()),
@@ -344,6 +352,15 @@ class Core:
         for _, key in self.leases.due(now):
             if key in self.producers:
                 self.derive(LeaseExpired(source=Source.CORE, t_ns=now, request_id=key))
+        for _, key in self.idle.due(now):
+            pp, _, engine_id = key.partition(":")
+            e = self.engines.get((engine_id, int(pp)))
+            if e is None or (e.state is not engine.S.FAILED and e.state is not engine.S.DISCONNECTED):
+                continue  # used again since
+            if e.readers or e.waiters or now < e.idle_since + self._forget_engine_ns:
+                self.idle.arm(key, max(now, e.idle_since) + self._forget_engine_ns)  # held: look again later
+            else:
+                self.derive(EvictRequested(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank))
 
     # --- violations -----------------------------------------------------------------------------
 
@@ -371,6 +388,11 @@ class Core:
                                               pp_rank=key[1], reason=why))
 
     # --- what actions may ask of the core ----------------------------------------------------------
+
+    def engine_idle(self, e: engine.RemoteEngine, t_ns: int) -> None:
+        """``e`` failed or disconnected: forget it in a while unless it is wanted again."""
+        e.idle_since = t_ns
+        self.idle.arm(f"{e.pp_rank}:{e.engine_id}", t_ns + self._forget_engine_ns)
 
     def plan(self, remote_tp: int, remote_pp: int) -> ReadPlan:
         """The read plan against a producer layout; raises TopologyError if there is none."""
@@ -437,8 +459,8 @@ class Core:
 
     def next_deadline(self) -> int | None:
         """When a :class:`~pdfsm.events.Tick` will next have something to expire, if ever."""
-        a, b = self.deadlines.earliest(), self.leases.earliest()
-        return b if a is None else a if b is None else min(a, b)
+        due = [t for t in (self.deadlines.earliest(), self.leases.earliest(), self.idle.earliest()) if t is not None]
+        return min(due) if due else None
 
     def machines(self) -> Iterator[tuple[str, Any, Any]]:
         """Every live machine as (kind, key, machine)."""

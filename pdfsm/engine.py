@@ -73,6 +73,7 @@ class RemoteEngine:
         "engine_id",
         "error",
         "host",
+        "idle_since",
         "port",
         "pp_rank",
         "readers",
@@ -93,6 +94,7 @@ class RemoteEngine:
         self.reply: HandshakeReply | None = None
         self.error: HandshakeError | None = None
         self.retry_at = 0
+        self.idle_since = 0  # when it last failed or disconnected
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.engine_id!r}, pp_rank={self.pp_rank}, {self.state})"
@@ -187,6 +189,7 @@ def _fail(m: RemoteEngine, error: HandshakeError, t_ns: int, core: Core, *, drop
     if drop:
         core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
     _tell_waiters(m, core, t_ns)
+    core.engine_idle(m, t_ns)
 
 
 def _refuse_pp(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
@@ -241,6 +244,8 @@ def _fail_fast(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
 def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) -> None:
     m.reply = None
     core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
+    if isinstance(ev, PeerDisconnected):
+        core.engine_idle(m, ev.t_ns)
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -306,7 +311,9 @@ TABLE: Final[Table] = Table(
         on((S.FAILED, S.DISCONNECTED), _replies, Ignore("no handshake in progress: a stale reply")),
         on(S.FAILED, PeerDisconnected, Ignore("not connected")),
         on(S.DISCONNECTED, PeerDisconnected, Ignore("already disconnected")),
-        on((S.FAILED, S.DISCONNECTED), EvictRequested, Go(S.EVICTED)),
+        on((S.FAILED, S.DISCONNECTED), EvictRequested,
+           Ignore("a request still holds it (a sibling engine handshakes): not evicted", when=_transfers_in_flight),
+           Go(S.EVICTED)),
         on(S.FAILED, EngineQuarantined, Ignore("already failed")),
         on(S.DISCONNECTED, EngineQuarantined, Ignore("not connected")),
         # DISCONNECTED: never reused; handshaken again.

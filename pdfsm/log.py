@@ -8,7 +8,8 @@ Two halves, one object:
   is bounded; when it is full the policy is explicit: ``BLOCK`` makes the
   producer wait for the owner, ``COUNT`` refuses the event, counts it by
   source, and the owner records a :class:`~pdfsm.events.Dropped` event so the
-  loss is in the log, never silent.
+  loss is in the log, never silent. The owner thread's own submissions are
+  neither refused nor made to wait (it would wait for itself).
 - **Records.** The owner thread records every event it applied, ignored or
   rejected, with the state it produced, in one sequence with no gaps. The last
   ``window`` records stay in memory; every record also goes to the sink (the
@@ -141,6 +142,7 @@ class EventLog:
         self._waiting = 0
         self._dropped: Counter[str] = Counter()
         self._closed = False
+        self.owner: int | None = None  # the owner thread's ident, once known (set by the core)
 
     # --- any thread ----------------------------------------------------------------------------
 
@@ -158,6 +160,11 @@ class EventLog:
         inbox.append(ev)
 
     def _make_room(self, ev: Event) -> bool:
+        if threading.get_ident() == self.owner:
+            # The owner's own submissions (the scheduler's calls, a polled transport's outcomes)
+            # go in over the limit: waiting would wait for itself, and dropping them would lose
+            # what the caller was told is accepted. It drains them at its next pump.
+            return True
         with self._room:
             if self.overflow is Overflow.COUNT:
                 self._dropped[ev.source] += 1

@@ -11,6 +11,7 @@ file never changes; a new schema version gets a new pair of files.
 from __future__ import annotations
 
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,13 @@ def golden_rows() -> list[Row]:
     step(HandshakeFailed(source="handshake", t_ns=5_040, engine_id="Q", pp_rank=0, attempt=1, error="timeout"))
     step(PeerDisconnected(source="transfer", t_ns=5_050, engine_id="P", pp_rank=0, detail="UCX EP closed"))
     step(EvictRequested(source="scheduler", t_ns=5_060, engine_id="P", pp_rank=0))
-    for i in range(4):  # the inbox holds 2: two are refused and logged as Dropped
-        log.submit(Tick(source=f"timer-{i}", t_ns=6_000 + i))
+    def timer() -> None:  # another thread: the owner's own submissions are never refused
+        for i in range(4):  # the inbox holds 2: two are refused and logged as Dropped
+            log.submit(Tick(source=f"timer-{i}", t_ns=6_000 + i))
+
+    thread = threading.Thread(target=timer)
+    thread.start()
+    thread.join()
     core.pump()
     step(Collect(source="scheduler", t_ns=7_000, step=3))
     log.close()

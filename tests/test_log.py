@@ -69,13 +69,29 @@ def test_many_threads_submit_one_owner_applies_nothing_lost() -> None:
 
 def test_count_policy_refuses_counts_and_records_the_loss() -> None:
     core = Core(CoreConfig(engine_id="D"), EventLog(inbox_limit=3, overflow=Overflow.COUNT))
-    for i in range(5):
-        core.submit(ev(AbortRequested, i, source="xfer", request_id=f"r{i}"))
+
+    def transfer_thread() -> None:
+        for i in range(5):
+            core.submit(ev(AbortRequested, i, source="xfer", request_id=f"r{i}"))
+
+    t = threading.Thread(target=transfer_thread)
+    t.start()
+    t.join()
     core.pump()
     (rec,) = [r for r in core.log.records() if isinstance(r.event, Dropped)]
     assert isinstance(rec.event, Dropped)
     assert rec.event.count == 2 and rec.event.by_source == {"xfer": 2}
     assert rec.fault is not None
+
+
+def test_the_owner_thread_is_never_refused_nor_made_to_wait() -> None:
+    """Over the limit, the owner's own submissions (the scheduler's calls, a polled transport's
+    outcomes) go in: waiting would deadlock, dropping would lose what was accepted."""
+    for overflow in Overflow:
+        core = Core(CoreConfig(engine_id="D"), EventLog(inbox_limit=1, overflow=overflow))
+        for i in range(3):
+            core.submit(ev(AbortRequested, i, request_id=f"r{i}"))
+        assert core.pump() == 3 and not any(isinstance(r.event, Dropped) for r in core.log.records())
 
 
 def test_block_policy_waits_for_the_owner() -> None:
