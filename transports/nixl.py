@@ -211,6 +211,9 @@ def decode_rank_metadata(raw: bytes) -> NixlRankMetadata:
     kinds = {r.kind for r in meta.regions}
     if len(kinds) != 1:
         raise TransportError(f"rank metadata mixes memory kinds {sorted(kinds)}")
+    counts = {r.num_blocks for r in meta.regions}
+    if len(counts) != 1:  # block ids index every region alike (and prepared lists assume it)
+        raise TransportError(f"rank metadata regions hold different block counts {sorted(counts)}")
     for i, r in enumerate(meta.regions):
         if r.base <= 0 or r.stride <= 0 or r.num_blocks <= 0 or r.device < 0:
             raise TransportError(f"region {i} is malformed: {r}")
@@ -401,6 +404,9 @@ class NixlTransport:
             for (info, meta), (pos, local_regions) in zip(decoded, pairing, strict=True):
                 name = self.agent.add_remote_agent(meta.agent_metadata)
                 name = name.decode() if isinstance(name, bytes) else str(name)
+                if name in self._agents:  # a live peer's agent: refused, and not ours to remove
+                    raise TransportError(f"NIXL metadata names agent {name!r}, which already serves "
+                                         f"{self._agents[name].key}")
                 added.append(name)
                 if name != info.agent:
                     raise TransportError(f"NIXL metadata names agent {name!r}, the reply says {info.agent!r}")
@@ -464,7 +470,11 @@ class NixlTransport:
             raise TransportError(f"{len(cmd.local_blocks)} local blocks for {len(cmd.remote_blocks)} remote blocks")
         note = notify_codec.encode(cmd.notification)
         if not cmd.local_blocks:  # nothing to move: the notification alone, as a completed read
-            self.agent.send_notif(peer.agent, note)
+            try:
+                self.agent.send_notif(peer.agent, note)
+            except self._errors["disconnect"] as exc:
+                self._lost_at_post(cmd, peer, exc)
+                return
             self.reads[key] = _Read(cmd, peer, None, "DONE")
             peer.reads += 1
             return
@@ -478,13 +488,28 @@ class NixlTransport:
                 handle = self._descs_xfer(cmd, peer, note)
         except SliceError as exc:
             raise TransportError(str(exc)) from None
+        except self._errors["disconnect"] as exc:
+            self._lost_at_post(cmd, peer, exc)
+            return
         try:
             state = self.agent.transfer(handle)
-        except Exception:
+        except Exception as exc:
             _release(handle, "transfer handle")
+            if isinstance(exc, self._errors["disconnect"]):
+                self._lost_at_post(cmd, peer, exc)
+                return
             raise
         self.reads[key] = _Read(cmd, peer, handle, state)
         peer.reads += 1
+
+    def _lost_at_post(self, cmd: PostRead, peer: _Peer, exc: BaseException) -> None:
+        """The peer went away before the read could start: the read is accepted and ends
+        DISCONNECTED, as if it had gone a moment later (a remote fault, not a SETUP error)."""
+        read = _Read(cmd, peer, None, "ERR")
+        src = cmd.source
+        self.reads[(cmd.request_id, src.pp_rank, src.tp_rank)] = read
+        peer.reads += 1
+        self._gone(read, f"{type(exc).__name__}: {exc}")
 
     def _prepped_xfer(self, cmd: PostRead, peer: _Peer, note: bytes) -> Any:
         src = cmd.source
@@ -585,14 +610,21 @@ class NixlTransport:
         # unreleased one leaks UCX requests, so it is released; a release that raises is logged.
         self._release_read(read)
         if isinstance(exc, self._errors["disconnect"]):
-            key = read.peer.key
-            self._end(read, HandleFailure.DISCONNECTED, detail)
-            if key not in self._disconnected:
-                self._disconnected.add(key)
-                self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=key[0],
-                                            pp_rank=key[1], detail=f"{read.peer.agent}: {detail}"))
+            self._gone(read, detail)
         else:
             self._end(read, HandleFailure.RAISED, detail)
+
+    def _gone(self, read: _Read, detail: str) -> None:
+        """End ``read`` DISCONNECTED and report its engine gone, once until it is added again."""
+        self._end(read, HandleFailure.DISCONNECTED, detail)
+        self._peer_lost(read.peer, detail)
+
+    def _peer_lost(self, peer: _Peer, detail: str) -> None:
+        key = peer.key
+        if key not in self._disconnected:
+            self._disconnected.add(key)
+            self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=key[0],
+                                        pp_rank=key[1], detail=f"{peer.agent}: {detail}"))
 
     def _release_read(self, read: _Read) -> None:
         if read.handle is not None:
@@ -633,7 +665,11 @@ class NixlTransport:
         if peer is None:
             self._check_pp(key[1])
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
-        self.agent.send_notif(peer.agent, notify_codec.encode(message))
+        try:
+            self.agent.send_notif(peer.agent, notify_codec.encode(message))
+        except self._errors["disconnect"] as exc:
+            self._peer_lost(peer, f"{type(exc).__name__}: {exc}")
+            raise
 
     # --- shutdown -------------------------------------------------------------------------------
 
@@ -659,6 +695,9 @@ class NixlTransport:
         except Exception as exc:  # noqa: BLE001
             _log.warning("deregister_memory failed: %s: %s", type(exc).__name__, exc)
         self._closed = True
+        # NIXL stops the agent's progress and UCX threads when the agent is destroyed: drop it here,
+        # not when the transport object happens to be collected (a Connector keeps it after shutdown).
+        self.agent = None
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from pdfsm.events import (
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
 from transports.base import Capabilities, Clock, Submit, TransportError, refuse_pp
+from transports.coalesce import SliceError, slice_span
 
 __all__ = ["ReadScript", "SimHandshaker", "SimNetwork", "SimTransport", "pattern"]
 
@@ -204,14 +205,20 @@ class SimTransport:
             raise TransportError(f"local block out of range 0..{self.num_blocks - 1}")
         if any(not 0 <= b < peer.num_blocks for b in cmd.remote_blocks):
             raise TransportError(f"remote block out of range 0..{peer.num_blocks - 1}")
-        rlen, llen = peer.block_bytes // src.remote_slices, self.block_bytes // src.local_slices
-        if rlen != llen:
-            raise TransportError(f"slice sizes differ: remote {rlen} bytes, local {llen} bytes")
+        if len(cmd.local_blocks) != len(cmd.remote_blocks):
+            raise TransportError(f"{len(cmd.local_blocks)} local blocks for {len(cmd.remote_blocks)} remote blocks")
+        try:  # the same checks as the NIXL and torch transports
+            lspan = slice_span(self.block_bytes, src.local_slices, src.local_slice)
+            rspan = slice_span(peer.block_bytes, src.remote_slices, src.remote_slice)
+        except SliceError as exc:
+            raise TransportError(str(exc)) from None
+        if rspan[1] != lspan[1]:
+            raise TransportError(f"slice sizes differ: remote {rspan[1]} bytes, local {lspan[1]} bytes")
         key = (cmd.request_id, src.pp_rank, src.tp_rank)
         if key in self.reads:
             raise TransportError(f"read {key} is already in flight")
         script = self.network.read_scripts.pop(key, self.network.default_read)
-        self.reads[key] = _Read(cmd, remote, script, (src.local_slice * llen, llen), (src.remote_slice * rlen, rlen))
+        self.reads[key] = _Read(cmd, remote, script, lspan, rspan)
 
     def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
         read = self.reads.get((request_id, pp_rank, tp_rank))

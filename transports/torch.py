@@ -273,15 +273,16 @@ class TorchTransport:
             raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
         name = remote.agent
         peer = self.network.reachable(name)
-        if peer is None:
-            raise TransportError(f"{name}: peer unreachable")
-        if cmd.local_blocks:
+        if peer is not None and cmd.local_blocks:
             why = self.layer_map.problem(cmd.engine_id, self.peers)
             if why is not None:
                 raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
         plan: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         try:
-            for rk, lk in enumerate(remote.local_pos):  # remote region rk into local region lk: one layer
+            # Remote region rk into local region lk: one layer. A peer gone since the handshake: the
+            # read is accepted and ends DISCONNECTED, as had it gone a moment later (reported once).
+            for rk, lk in enumerate(remote.local_pos if peer is not None else ()):
+                assert peer is not None
                 dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, [self.regions[lk]], [peer.regions[rk]],
                                     local_slice=src.local_slice, local_slices=src.local_slices,
                                     remote_slice=src.remote_slice, remote_slices=src.remote_slices)
@@ -326,22 +327,29 @@ class TorchTransport:
         engine = (read.cmd.engine_id, src.pp_rank)
         with self._reads_lock:
             self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
-            first_loss = why is HandleFailure.DISCONNECTED and engine not in self._disconnected
-            if first_loss:
-                self._disconnected.add(engine)
         common = {"source": Source.TRANSFER, "t_ns": self._clock(), "request_id": read.cmd.request_id,
                   "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
         if why is None:
             self._emit(HandleDone(**common))  # type: ignore[arg-type]
         else:
             self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
-        if first_loss:  # as NIXL does: the engine is reported gone once
+        if why is HandleFailure.DISCONNECTED:
+            self._lost(engine, detail)
+
+    def _lost(self, engine: EngineKey, detail: str) -> None:
+        """Report ``engine`` gone, once until it is added again (as NIXL does)."""
+        with self._reads_lock:
+            first = engine not in self._disconnected
+            self._disconnected.add(engine)
+        if first:
             self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=engine[0],
                                         pp_rank=engine[1], detail=detail))
 
     def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
         if self.latency_s and read.cancel.wait(self.latency_s):
             return HandleFailure.CANCELLED, "cancelled before the copy started"
+        if self.network.reachable(read.peer) is None:
+            return HandleFailure.DISCONNECTED, f"{read.peer} went away"
         chunk = self.chunk_bytes
         for lk, rk, descs in read.plan:
             dst = self.flat[lk]
@@ -363,7 +371,11 @@ class TorchTransport:
         if remote is None:
             self._check_pp(key[1])
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
-        self.network.deliver(self.agent_name, remote.agent, notify_codec.encode(message))
+        try:
+            self.network.deliver(self.agent_name, remote.agent, notify_codec.encode(message))
+        except TransportError as exc:
+            self._lost(key, f"notification not delivered: {exc}")
+            raise
 
     def progress(self) -> None:
         """Submit the notifications that arrived in this agent's inbox (reads report themselves)."""
