@@ -584,9 +584,9 @@ def _hand_off(m: ConsumerRequest, ev: Reported, core: Core) -> None:
         core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks,
                           policy=core.config.policy, reason=m.error))
         core.finished(m, "failed", ev.t_ns)
-    else:  # aborted: its blocks are invalid too unless every read into them completed
-        plan = m.plan
-        whole = plan is not None and bool(plan.all_read) and m.done == plan.all_read
+    else:  # aborted: its blocks are invalid too unless every read into them completed, trusted
+        plan = m.plan  # (m.error: one completed late, or the request failed before the abort)
+        whole = plan is not None and bool(plan.all_read) and m.done == plan.all_read and not m.error
         core.emit(HandOff(request_id=m.request_id, outcome="aborted", reason=m.error,
                           invalid_blocks=() if whole else m.local_blocks))
         core.finished(m, "aborted", ev.t_ns)

@@ -111,6 +111,7 @@ class LoadedLog:
     gaps: list[Gap] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     replayed: bool = False
+    replay_note: str = ""  # why the records were not all replayed (a trimmed log, a gap)
 
     @property
     def exit_code(self) -> Exit:
@@ -303,8 +304,18 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
     """Replay a readable log's records; a difference (or a replay that cannot go on) is a divergence."""
     if log.status not in ("ok", "torn_tail") or not log.records:
         return log
+    records, first = log.records, log.records[0].seq
+    if first != 0:  # the machines' earlier history is gone: nothing to rebuild them from
+        log.replay_note = (f"not replayed: the log starts at seq {first} (older segments were deleted, "
+                           "keep_segments); summarized from its records")
+        return log
+    if log.gaps:  # the core applied records the file never got: replay can check only up to them
+        cut = log.gaps[0].first_seq
+        records = [r for r in records if r.seq < cut]
+        log.replay_note = (f"replayed up to seq {cut - 1}: records from seq {cut} were lost before reaching "
+                           "the file (a gap); summarized from every record read")
     bar = progress or _NoProgress()
-    bar.start(f"replaying {log.name}", len(log.records))
+    bar.start(f"replaying {log.name}", len(records))
     at = [0]
 
     def counted(records: list[Record]) -> Iterator[Record]:
@@ -315,7 +326,7 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
             yield rec
 
     try:
-        replay(counted(log.records))
+        replay(counted(records))
         log.replayed = True
     except Divergence as d:
         log.status, log.error, log.divergence_seq = "divergence", str(d), d.seq
@@ -409,6 +420,8 @@ def _details(log: LoadedLog) -> Iterator[str]:
                    "replayed; the file was left as it is (--repair cuts it there, keeping a copy)")
     for g in log.gaps:
         yield f"  gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost before reaching the file ({g.reason})"
+    if log.replay_note:
+        yield f"  note: {log.replay_note}"
     if log.error:
         lines = log.error.splitlines()
         yield f"  error: {lines[0]}"
@@ -426,7 +439,11 @@ def _machines_at(log: LoadedLog, summary: Summary) -> Iterator[str]:
 
 
 def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit: int, brief: bool) -> Iterator[str]:
-    title = f"{log.name}: {_HEADLINE[log.status]}"
+    headline = _HEADLINE[log.status]
+    if log.replay_note:
+        done = "replayed in part, no divergence" if log.replayed else "not replayed"
+        headline = headline.replace("replayed, no divergence", done)
+    title = f"{log.name}: {headline}"
     if summary is None or brief:
         n = len(log.records)
         yield f"{title}: {n} records" + (f" up to seq {log.records[-1].seq}" if n else "")
@@ -501,6 +518,8 @@ def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) 
         "error": None if not log.error else {"message": log.error, "file": log.error_file,
                                              "offset": log.error_offset, "seq": log.divergence_seq},
         "torn_tail": log.torn,
+        "replayed": log.replayed,
+        "replay_note": log.replay_note or None,
         "gaps": [{"first_seq": g.first_seq, "count": g.count, "reason": g.reason, "file": g.path,
                   "offset": g.offset} for g in log.gaps],
         "meta": log.meta,

@@ -246,3 +246,22 @@ def test_failed_engines_of_unreachable_producers_are_forgotten_eventually() -> N
     for _ in range(3):
         d.get_finished()
     assert len(d.core.engines) < 50, f"{len(d.core.engines)} dead engines kept for ever"
+
+
+def test_an_aborted_request_whose_read_completed_late_reports_its_blocks_invalid() -> None:
+    """A read that completed after the deadline is not trusted (the request fails); an abort that
+    follows must not turn those blocks valid because every read 'completed'."""
+    from helpers import handshake
+
+    from pdfsm.commands import HandOff
+    from pdfsm.events import AbortRequested, Collect, Deadline, HandleDone
+
+    core = make_core(strict=False)
+    core.apply(read("r1", deadline=Deadline("monotonic", 100)))
+    handshake(core)
+    core.apply(ev(HandleDone, 200, request_id="r1", pp_rank=0, tp_rank=0))  # late: not trusted
+    core.apply(ev(AbortRequested, 210, request_id="r1"))
+    core.take_commands()
+    core.apply(ev(Collect, 220, step=1))
+    (off,) = [c for c in core.take_commands() if isinstance(c, HandOff)]
+    assert off.outcome == "aborted" and off.invalid_blocks == (1, 2)

@@ -249,3 +249,28 @@ def test_a_second_writer_on_a_live_log_is_refused_and_changes_nothing(rows: list
     assert first.wait_acked(19, timeout=5)
     first.close()
     assert [r.seq for r in filelog.read_log(directory)] == list(range(20))
+
+
+# --- logs that cannot be replayed whole ------------------------------------------------------------
+
+
+def test_a_trimmed_log_is_summarized_not_reported_as_divergence(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """keep_segments deletes the oldest segments of a long-running engine's log; what is left
+    starts after seq 0 and cannot be replayed, which is not a divergence: exit 0, a note says so."""
+    from pdfsm.core import Core
+    from pdfsm.events import AbortRequested, CoreConfig
+    from pdfsm.log import EventLog
+
+    sink = FileSink(tmp_path / "log", fsync=FsyncPolicy.never(), segment_bytes=4096, keep_segments=2)
+    core = Core(CoreConfig(engine_id="D"), EventLog(sink=sink))
+    for i in range(400):
+        core.submit(AbortRequested(source="scheduler", t_ns=i, request_id=f"r{i}"))
+        core.pump()
+    core.log.close()
+    assert sink.segments_deleted > 0
+    code, out, _ = _run(capsys, "replay", str(tmp_path / "log"))
+    assert code == 0 and "not replayed" in out and "older segments were deleted" in out
+    code, out, _ = _run(capsys, "replay", "--json", str(tmp_path / "log"))
+    (log,) = json.loads(out)["logs"]
+    assert code == 0 and log["replayed"] is False and "starts at seq" in log["replay_note"]
