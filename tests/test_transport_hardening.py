@@ -269,3 +269,31 @@ def test_nixl_close_releases_the_agent_threads() -> None:
         time.sleep(0.05)
     assert _threads() <= before, f"{_threads() - before} threads still running after close()"
     del ts
+
+
+def test_torch_loss_of_a_replaced_connection_does_not_report_the_new_one_gone() -> None:
+    """A read still running on an engine's old connection (the engine re-handshook to a new
+    agent since) ends DISCONNECTED when the old agent dies, but the engine is not reported gone:
+    its current connection is alive (a stale PeerDisconnected would drop it)."""
+    net = TorchNetwork()
+    old = TorchTransport(net, name("old"), random_kv(1, 16, 1 << 20, seed=2))
+    new = TorchTransport(net, name("new"), random_kv(1, 16, 1 << 20, seed=3))
+    d = TorchTransport(net, name("d"), zero_kv(1, 16, 1 << 20), latency_s=0.2)
+    events: list[Event] = []
+    for t in (old, new):
+        t.bind(lambda ev: None, time.monotonic_ns)
+    d.bind(events.append, time.monotonic_ns)
+    d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(old.rank_info(),)))
+    d.post_read(PostRead("r", "P", ReadSource(0, 0), (0,), (0,), Notification("r", 0, 1)))
+    d.drop_peer(("P", 0))
+    d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(new.rank_info(),)))
+    net.kill(old.agent_name)
+    deadline = time.monotonic() + 10
+    while not events:
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert isinstance(events[0], HandleFailed) and events[0].why.value == "disconnected"
+    assert not any(isinstance(e, PeerDisconnected) for e in events), events
+    for t in (d, old, new):
+        t.close()

@@ -621,6 +621,8 @@ class NixlTransport:
 
     def _peer_lost(self, peer: _Peer, detail: str) -> None:
         key = peer.key
+        if self.peers.get(key, {}).get(peer.tp_rank) is not peer:
+            return  # an old connection, replaced since (draining): the engine's new one is not gone
         if key not in self._disconnected:
             self._disconnected.add(key)
             self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=key[0],

@@ -333,8 +333,9 @@ class TorchTransport:
             self._emit(HandleDone(**common))  # type: ignore[arg-type]
         else:
             self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
-        if why is HandleFailure.DISCONNECTED:
-            self._lost(engine, detail)
+        current = self.peers.get(engine, {}).get(src.tp_rank)
+        if why is HandleFailure.DISCONNECTED and current is not None and current.agent == read.peer:
+            self._lost(engine, detail)  # not for an old connection replaced since
 
     def _lost(self, engine: EngineKey, detail: str) -> None:
         """Report ``engine`` gone, once until it is added again (as NIXL does)."""
