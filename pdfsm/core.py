@@ -157,7 +157,8 @@ class Core:
         self._remembered_order: Final[deque[tuple[int, int, Any]]] = deque()
         # Consumer requests to hand back at the next Collect, in order (always this one dict).
         self.ready_ids: Final[dict[str, None]] = {}
-        self._staged: OrderedDict[str, None] = OrderedDict()
+        self._staged: OrderedDict[str, None] = OrderedDict()  # early notifications only
+        self._promised: OrderedDict[str, None] = OrderedDict()  # staged with a heartbeat's promise
         self._commands: list[Command] = []
         self._derived: deque[Event] = deque()  # events the core concluded, applied after their cause
         self._one: deque[Event] = deque()  # apply()'s queue of one
@@ -424,15 +425,25 @@ class Core:
         self.ready_ids[m.request_id] = None
 
     def stage(self, m: producer.ProducerRequest) -> None:
-        self._staged[m.request_id] = None
+        """Keep news of a request not registered yet, within ``max_staged``. Over the bound the
+        oldest entry goes, one holding only notifications first: losing those costs the request
+        its lease's wait, while a heartbeat's promise lost would release blocks that a consumer
+        was told it may still read."""
+        (self._promised if m.extended_to else self._staged)[m.request_id] = None
         self.leases.arm(m.request_id, m.deadline)
-        if len(self._staged) > self.config.max_staged:
-            oldest, _ = self._staged.popitem(last=False)
+        if len(self._staged) + len(self._promised) > self.config.max_staged:
+            oldest, _ = (self._staged or self._promised).popitem(last=False)
             self.derive(StagedDropped(source=Source.CORE, t_ns=m.t_start, request_id=oldest,
                                       reason=f"more than {self.config.max_staged} staged"))
 
+    def promise(self, m: producer.ProducerRequest) -> None:
+        """A staged request now holds a heartbeat's promise: dropped only when nothing else can be."""
+        if self._staged.pop(m.request_id, 0) is None:
+            self._promised[m.request_id] = None
+
     def unstage(self, m: producer.ProducerRequest) -> None:
         self._staged.pop(m.request_id, None)
+        self._promised.pop(m.request_id, None)
 
     def finished(self, m: consumer.ConsumerRequest | producer.ProducerRequest, outcome: str, t_ns: int) -> None:
         """A request is done; one line at info (a warning when blocks were released by expiry)."""

@@ -174,6 +174,7 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 
 def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     m.extended_to = max(m.extended_to, ev.t_ns + ev.extend_ns)
+    core.promise(m)
     if m.extended_to > m.deadline:
         core.leases.disarm(m.request_id, m.deadline)
         m.deadline = m.extended_to
