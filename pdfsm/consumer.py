@@ -68,6 +68,7 @@ class ConsumerState:
 
 S = ConsumerState
 CONNECTED: Final[State] = EngineState.CONNECTED
+ENGINE_FAILED: Final[State] = EngineState.FAILED
 
 
 class ConsumerRequest:
@@ -342,11 +343,14 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core) -> No
     assert m.plan is not None
     for pp in m.plan.pp_ranks:
         key = (req.engine_id, pp)
-        if core.engine_connected(key):
-            _hold(m, core.engines[key])
+        e = core.engines.get(key)
+        if e is not None and e.state is CONNECTED:
+            _hold(m, e)
         elif not (m.waiting >> pp) & 1:
             m.waiting |= 1 << pp
             core.watch(m.request_id, key, req.host, req.port, req.t_ns)
+            if e is not None and e.state is ENGINE_FAILED and req.t_ns < e.retry_at:
+                break  # it fails the request at once: news from a second would reach it ended
     m.waited |= m.waiting
 
 

@@ -149,6 +149,7 @@ class Core:
         # Engines left FAILED or DISCONNECTED, keyed "pp_rank:engine_id": forgotten when due unless
         # used again (producers restart under new ids; a router may name engines that never answer).
         self.idle: Final = Timers()
+        self.engines_forgotten = 0  # evictions so far: the base of a re-created engine's attempt numbers
         # Remembered terminal states: a dict per machine kind, with its keys in arrival order in a
         # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
         # OrderedDict's bookkeeping costs more than this on the hot path).

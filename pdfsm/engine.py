@@ -158,6 +158,10 @@ def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> boo
 
 
 def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    if not m.attempt:
+        # A fresh machine for a key seen before (forgotten since) numbers its attempts above every
+        # earlier one's, so a late answer to the forgotten machine's attempt is recognized stale.
+        m.attempt = core.engines_forgotten << 32
     m.attempt += 1
     m.host, m.port = ev.host, ev.port
     m.error = None
@@ -241,6 +245,15 @@ def _fail_fast(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     _tell_waiters(m, core, ev.t_ns)
 
 
+def _forget(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
+    core.engines_forgotten += 1
+
+
+def _evict(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
+    _drop(m, ev, core)
+    _forget(m, ev, core)
+
+
 def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) -> None:
     m.reply = None
     core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
@@ -303,7 +316,7 @@ TABLE: Final[Table] = Table(
             S.CONNECTED,
             EvictRequested,
             Ignore("a request still holds it (reading, or about to): not evicted", when=_transfers_in_flight),
-            Go(S.EVICTED, _drop),
+            Go(S.EVICTED, _evict),
         ),
         on(S.CONNECTED, EngineQuarantined, Go(S.FAILED, _quarantine)),
         # FAILED: the next request retries, after a pause.
@@ -313,7 +326,7 @@ TABLE: Final[Table] = Table(
         on(S.DISCONNECTED, PeerDisconnected, Ignore("already disconnected")),
         on((S.FAILED, S.DISCONNECTED), EvictRequested,
            Ignore("a request still holds it (a sibling engine handshakes): not evicted", when=_transfers_in_flight),
-           Go(S.EVICTED)),
+           Go(S.EVICTED, _forget)),
         on(S.FAILED, EngineQuarantined, Ignore("already failed")),
         on(S.DISCONNECTED, EngineQuarantined, Ignore("not connected")),
         # DISCONNECTED: never reused; handshaken again.

@@ -24,7 +24,9 @@ from pdfsm.log import EventLog, Overflow
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
 
 
-def _hs(core: Core, pp: int, *, attempt: int = 1, pp_size: int = 2, t: int = 0) -> None:
+def _hs(core: Core, pp: int, *, attempt: int | None = None, pp_size: int = 2, t: int = 0) -> None:
+    """Answer the engine's current handshake attempt (a re-created engine numbers them higher)."""
+    attempt = attempt if attempt is not None else core.engines[("P", pp)].attempt
     core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=pp, attempt=attempt,
                   reply=reply("P", pp_rank=pp, pp_size=pp_size)))
     core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=pp, attempt=attempt))

@@ -30,7 +30,7 @@ def test_default_scenarios_reach_every_reachable_cell_and_break_nothing() -> Non
     assert not unexplained(reached), "cells neither reached nor explained by a rule"
     too_broad = sorted(c for c in reached if unreachable_reason(c))
     assert not too_broad, f"a rule calls these cells unreachable, yet the world reached them: {too_broad}"
-    assert len(reached) >= 74
+    assert len(reached) >= 73  # (consumer FAILED, EngineFailed) left when requests stopped watching past a fail-fast
 
 
 @pytest.mark.parametrize("mutant", sorted(MUTANTS), ids=lambda m: m.replace(" ", "-").replace("/", ""))

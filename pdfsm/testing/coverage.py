@@ -61,9 +61,9 @@ def unreachable_reason(cell: Cell) -> str:
         return "the machine is forgotten when it gets there; no cascade touches it after"
     if event in ("DeadlinePassed", "LeaseExpired") and (machine, state) in _DISARMED:
         return "its timer was disarmed on the way into this state; expiries are derived for armed ones"
-    if event in ("EngineReady", "EngineFailed") and machine == "consumer" and state != "HANDSHAKING" and (
-            state, event) != ("FAILED", "EngineFailed"):
-        return "engine news reaches a request only while it waits, or (a failure) in the very cascade that failed it"
+    if event in ("EngineReady", "EngineFailed") and machine == "consumer" and state != "HANDSHAKING":
+        return ("engine news reaches a request only while it waits: it stops waiting (unwatches) as it ends, and "
+                "watches no engine past the first that fails it at once")
     if (machine, state, event) == ("engine", "CONNECTED", "EngineWanted"):
         return "a request asks only for engines that are not connected yet"
     if machine == "engine" and event == "PeerAdded" and state in ("CONNECTED", "DISCONNECTED"):
