@@ -125,6 +125,15 @@ def _enabled(logger: Any, level: int) -> bool:
         return True
 
 
+def _default_logger() -> Any:
+    """structlog's logger, configured by the application; left unconfigured, structlog filters
+    nothing, so pdfsm logs at info there (a line per finished request, no line per transition:
+    the hot path would pay for debug lines nobody asked for)."""
+    if structlog.is_configured():
+        return structlog.get_logger("pdfsm")
+    return structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+
+
 class Core:
     """Owns the machines of one worker and applies every event to them, in log order."""
 
@@ -179,7 +188,7 @@ class Core:
         self._tombstone_ns = config.tombstone_ns or 2 * max(config.lease_ns, config.read_timeout_ns)
         self._forget_engine_ns = max(self._tombstone_ns, config.handshake_retry_ns)  # never before a retry
         self._last_t = t_ns
-        self._logger = logger if logger is not None else structlog.get_logger("pdfsm")
+        self._logger = logger if logger is not None else _default_logger()
         self.refresh_logging()
         self.log.owner = threading.get_ident()
         self.apply(Started(source=Source.CORE, t_ns=t_ns, config=config))

@@ -268,7 +268,8 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     if not files or not all(f.is_file() for f in files):
         out.status, out.error = "no_log", f"{path}: no log segments here"
         return out
-    if repair and writer_holds(path):  # cutting a live writer's tail would lose what it is writing
+    live = repair and writer_holds(path)
+    if live:  # cutting a live writer's tail would lose what it is writing
         repair = False
     bar = progress or _NoProgress()
     sizes = {f: f.stat().st_size for f in files}
@@ -293,7 +294,7 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         t = reader.torn
         out.status = "torn_tail"
         out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason.removeprefix("torn tail: "),
-                    "repaired": False, "backup": None, "removed_bytes": None}
+                    "repaired": False, "backup": None, "removed_bytes": None, "writer_live": live}
         if reader.repairs:
             rep = reader.repairs[-1]
             out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
@@ -416,8 +417,10 @@ def _details(log: LoadedLog) -> Iterator[str]:
             yield (f"  torn tail repaired: {t['file']} cut at byte {t['offset']} ({t['removed_bytes']} bytes "
                    f"removed: {t['reason']}); the damaged file is kept as {t['backup']}")
         else:
+            why = ("a writer holds this log, so --repair left it alone" if t.get("writer_live")
+                   else "--repair cuts it there, keeping a copy")
             yield (f"  torn tail: {t['file']} at byte {t['offset']}: {t['reason']}; every record before it "
-                   "replayed; the file was left as it is (--repair cuts it there, keeping a copy)")
+                   f"replayed; the file was left as it is ({why})")
     for g in log.gaps:
         yield f"  gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost before reaching the file ({g.reason})"
     if log.replay_note:

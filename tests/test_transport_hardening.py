@@ -175,7 +175,7 @@ def test_nixl_read_to_a_peer_that_died_between_reads_reports_it_gone() -> None:
     """Over real NIXL: the producer process is SIGKILLed while no read is in flight. The next
     post_read raises nixlRemoteDisconnectError from transfer() (SETUP at the Connector) and no
     PeerDisconnected is ever emitted (only a *polled* disconnect produces one), so the core keeps
-    the engine CONNECTED and reuses the dead connection for every later request (domain.md: a
+    the engine CONNECTED and reuses the dead connection for every later request (a
     peer NIXL reports disconnected must be re-handshaken, not reused)."""
     import test_nixl_transport as nt
 
