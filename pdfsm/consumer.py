@@ -334,10 +334,10 @@ def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
     _accept(m, ev, core)
     _arm_deadline(m, ev, core)
     assert m.plan is not None
-    _watch_unconnected(m, ev, core)
+    _watch_unconnected(m, ev, core, ev.t_ns)
 
 
-def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core) -> None:
+def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns: int) -> None:
     """Wait for every engine of the plan not connected now; hold the connected ones, so none is
     evicted while a sibling still handshakes (vLLM PR 54689)."""
     assert m.plan is not None
@@ -348,8 +348,8 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core) -> No
             _hold(m, e)
         elif not (m.waiting >> pp) & 1:
             m.waiting |= 1 << pp
-            core.watch(m.request_id, key, req.host, req.port, req.t_ns)
-            if e is not None and e.state is ENGINE_FAILED and req.t_ns < e.retry_at:
+            core.watch(m.request_id, key, req.host, req.port, t_ns)  # now: retry pauses are judged by it
+            if e is not None and e.state is ENGINE_FAILED and t_ns < e.retry_at:
                 break  # it fails the request at once: news from a second would reach it ended
     m.waited |= m.waiting
 
@@ -386,7 +386,7 @@ def _rewatch_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     since: it is handshaken again before anything is read from it."""
     assert m.req is not None
     _engine_ready(m, ev, core)
-    _watch_unconnected(m, m.req, core)
+    _watch_unconnected(m, m.req, core, ev.t_ns)
 
 
 def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:

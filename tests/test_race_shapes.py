@@ -3,11 +3,13 @@
 Two kinds of test live here:
 
 - regressions for interleaving bugs the tester found in the real machines (handshake attempt
-  numbers reused by a re-created engine; a notify-only PP 2 request told twice of failure), each
-  naming the shrunk steps and the invariant they broke;
+  numbers reused by a re-created engine; a notify-only PP 2 request told twice of failure; a PP
+  engine lost and watched again with the request's old time), each naming the shrunk steps and
+  the invariant they broke;
 - clean searches over shapes the default scenarios do not combine (PP 2 with handshake faults,
-  asymmetric TP with MLA, 3-4 requests, every fault at once), derandomized with a fixed budget,
-  each well under 20 s on a slow 2-core machine.
+  asymmetric TP with MLA, 3-4 requests, every fault at once, the opt-in faults: one PP rank's
+  connection dropped and handshaken again, a refused post, idle eviction within a lease),
+  derandomized with a fixed budget, each well under 20 s on a slow 2-core machine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 
 from pdfsm.events import HandshakeDone, HandshakeFailed
 from pdfsm.testing import FAULTS, InvariantViolation, Scenario, World, hunt
-from pdfsm.testing.invariants import END_INVARIANTS
+from pdfsm.testing.coverage import explore_options
+from pdfsm.testing.invariants import END_INVARIANTS, EXTRA_INVARIANTS
 
 HANDSHAKE_FAULTS = frozenset({"evict", "disconnect", "handshake-refuse", "handshake-timeout", "peer-refused"})
 
@@ -164,6 +167,59 @@ def test_hunt_notify_only_with_pp_2() -> None:
     assert not found.found, found.message
 
 
+# --- bug C: a PP engine lost while a sibling handshakes is watched again with the request's old time -----
+#
+# consumer.py:_rewatch_lost (HANDSHAKING x EngineReady, when a held engine is no longer connected)
+# calls _watch_unconnected(m, m.req, core): the EngineWanted it derives (core.watch) is stamped with
+# the ReadRequested's t_ns, not the EngineReady's, and the FAILED engine's _retry_later guard, like
+# _watch_unconnected's own fail-fast check, compares that old time with retry_at. So a request that
+# watches again, after the retry pause is over, an engine another request's handshake failed is
+# failed at once with that handshake's error instead of retrying it. Fix: watch with the news'
+# time, e.g. _watch_unconnected(m, msgspec.structs.replace(m.req, t_ns=ev.t_ns), core), or a t_ns
+# parameter used for both the break check and core.watch.
+
+LINK_DROP = frozenset({"link-drop"})
+
+
+def test_a_lost_pp_engine_watched_again_after_its_retry_pause_is_retried() -> None:
+    """r0 (PP 2) holds pp 0 while pp 1 handshakes; pp 0's connection drops; r1 re-handshakes pp 0,
+    refused (pp 0 FAILED, retry at t=10); at t=15 pp 1 answers and r0 watches pp 0 again, stamped
+    t=0: failed fast with r1's "connection refused" instead of a retry that would have connected."""
+    steps = [
+        "prefill: p0 finishes prefill",
+        "scheduler: D0 asks to read r0",
+        "handshake: D0 gets the answer for (P, pp 0) #1",
+        "fault: D0 loses its connection to (P, pp 0)",
+        "transport: D0 reports (P, pp 0) disconnected",
+        "prefill: p1 finishes prefill",
+        "scheduler: D0 asks to read r1",
+        "handshake: D0 gets the answer for (P, pp 0) #2: refused",
+        "timer: 5 ns pass",
+        "timer: 5 ns pass",
+        "timer: 5 ns pass",  # t=15: pp 0's retry pause (10 ns) is over
+        "handshake: D0 gets the answer for (P, pp 1) #1",  # r0 rewatches pp 0
+    ]
+    world, message = _replay(steps, Scenario(requests=2, producer_pp=2, faults=LINK_DROP | {"handshake-refuse"}),
+                             EXTRA_INVARIANTS)
+    assert not message, message
+    assert [o.outcome for o in world.hand_offs[(0, "r0")]] == ["received"], world.hand_offs[(0, "r0")]
+
+
+def test_hunt_finds_no_effect_stamped_before_its_cause_with_a_pp_link_drop() -> None:
+    """The search that found bug C (example 33 of 300, under 2 s): the 7 steps of a rewatch."""
+    found = hunt(Scenario(requests=2, producer_pp=2, faults=LINK_DROP, max_steps=60),
+                 invariants=EXTRA_INVARIANTS, max_examples=300)
+    assert not found.found, found.message
+
+
+def test_a_pp_link_drop_reaches_the_consumers_rewatch_of_a_lost_engine() -> None:
+    """The option no fault could reach before link-drop (disconnect took every PP rank, for good)."""
+    hits = explore_options({"pp2 link-drop": Scenario(requests=2, producer_pp=2, faults=LINK_DROP, max_steps=60)},
+                           300)  # first reached within 200 examples
+    rewatch = ("consumer", "HANDSHAKING", "EngineReady", "-> HANDSHAKING (rewatch lost) when held engine lost")
+    assert rewatch in hits
+
+
 # --- clean searches: shapes the default scenarios do not cover ------------------------------------
 
 # Each ran clean at 1500 examples with random seeds too, and reaches no table cell the default
@@ -176,11 +232,19 @@ CLEAN: dict[str, tuple[Scenario, int]] = {
     "mla-consumer-tp2-producer-tp4": (Scenario(consumer_tp=2, producer_tp=4, mla=True, max_steps=60), 300),
     # Four requests, every fault kind at once (Scenario's default ``faults`` is all of FAULTS).
     "four-requests-every-fault": (Scenario(requests=4, faults=FAULTS, max_steps=80), 400),
+    # PP 2, the adapter's PeerAdded a step of its own: one PP rank's connection drops and is handshaken
+    # again, posts refused, handshakes timed out; engines idle 8 ns are evicted by the cores' own timer.
+    "pp2-link-drop-async-idle": (Scenario(producer_pp=2, add_peer_async=True, handshake_retry_ns=2, tombstone_ns=8,
+                                          faults=LINK_DROP | {"post-refuse", "handshake-timeout"}, max_steps=60), 400),
+    # PP 2 with producer TP 2, three requests, the opt-in faults with every engine fault, abort and read ERR.
+    "pp2-tp2-link-drop-every-engine-fault": (Scenario(
+        requests=3, producer_pp=2, producer_tp=2, handshake_retry_ns=3, tombstone_ns=10, max_steps=80,
+        faults=HANDSHAKE_FAULTS | LINK_DROP | {"post-refuse", "abort", "read-err"}), 300),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CLEAN))
 def test_real_machines_hold_every_invariant(name: str) -> None:
     scenario, examples = CLEAN[name]
-    found = hunt(scenario, max_examples=examples)
+    found = hunt(scenario, invariants=[stale_replies_never_accepted], max_examples=examples)
     assert not found.found, found.message

@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+from pdfsm.core import Tables
 from pdfsm.diagram import TABLES
-from pdfsm.fsm import Fault, Illegal
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, Option, Table
 from pdfsm.testing.explore import DEFAULT_SCENARIOS, hunt, replay_choices
-from pdfsm.testing.world import Scenario
+from pdfsm.testing.world import Scenario, Variant
 
-__all__ = ["DIRECTED", "all_cells", "explore", "unexplained", "unreachable_reason"]
+__all__ = ["DIRECTED", "all_cells", "all_options", "explore", "explore_options", "instrumented", "unexplained",
+           "unreachable_reason"]
 
 Cell = tuple[str, str, str]
+OptionKey = tuple[str, str, str, str]
+"""(machine, state, event type, option): one option of one cell, named by :func:`option_label`."""
 _LATE = Scenario(requests=3, add_peer_async=True, handshake_retry_ns=0,
                  faults=frozenset({"handshake-timeout", "disconnect", "evict"}))
 _RETRIED = ("prefill: p0 finishes prefill", "scheduler: D0 asks to read r0",
@@ -37,8 +43,14 @@ DIRECTED: dict[str, tuple[Scenario, tuple[str, ...]]] = {
     "the peer added after its engine was forgotten": (_LATE, (
         *_RETRIED, "fault: the producer disconnects", "timer: idle eviction of the producer engine",
         "adapter D0: PeerAdded reaches D0")),
+    "a held PP engine lost while its sibling still handshakes": (
+        Scenario(requests=1, producer_pp=2, faults=frozenset({"link-drop"})), (
+            "prefill: p0 finishes prefill", "scheduler: D0 asks to read r0",
+            "handshake: D0 gets the answer for (P, pp 0) #1", "fault: D0 loses its connection to (P, pp 0)",
+            "transport: D0 reports (P, pp 0) disconnected", "handshake: D0 gets the answer for (P, pp 1) #1")),
 }
-"""Rare cells reached for sure: each is several faults in a row."""
+"""Rare cells (and options: the last one is the consumer's rewatch of a lost engine) reached for
+sure: each is several faults in a row."""
 _DISARMED = {("consumer", s) for s in ("NOTIFIED", "FAILED", "ABORTED", "RELEASED")} | {
     ("producer", s) for s in ("RELEASED", "EXPIRED")}
 
@@ -85,6 +97,83 @@ def explore(examples: int) -> set[Cell]:
             raise AssertionError(f"{name}: {message}")
         cells |= world.coverage()
     return cells
+
+
+def option_label(opt: Option) -> str:
+    """A stable name for an option: its destination, action and guard, or its reason."""
+    if isinstance(opt, Go):
+        action = opt.action.__name__.strip("_").replace("_", " ") if opt.action is not None else "-"
+        guard = f" when {opt.when.__name__.strip('_').replace('_', ' ')}" if opt.when is not None else ""
+        return f"-> {opt.dst.name} ({action}){guard}"
+    return repr(opt)
+
+
+def _tracked(opt: Option) -> bool:
+    """Options :func:`instrumented` can see decide: every transition, and every guarded ignore or
+    illegal option (an unguarded one has no guard to wrap; its reason is in the log)."""
+    return isinstance(opt, Go) or opt.when is not None
+
+
+def all_options() -> set[OptionKey]:
+    """Every option :func:`instrumented` tracks, over the three real tables."""
+    return {(n, s.name, e.__name__, option_label(o)) for n, t in TABLES.items()
+            for (s, e), opts in t.cells.items() for o in opts if _tracked(o)}
+
+
+def instrumented(hits: set[OptionKey]) -> Tables:
+    """The real tables, deciding exactly as they do, with every tracked option adding its key to
+    ``hits`` when it decides: a transition when its action runs (one is added where it had none), a
+    guarded ignore or illegal option when its guard holds (the first that holds decides)."""
+
+    def wrap(name: str, state: str, event: str, opt: Option) -> Option:
+        key = (name, state, event, option_label(opt))
+        if isinstance(opt, Go):
+            action = opt.action
+
+            def act(m: Any, ev: Any, core: Any) -> None:
+                hits.add(key)
+                if action is not None:
+                    action(m, ev, core)
+
+            return Go(opt.dst, act, when=opt.when, fault=opt.fault, reason=opt.reason, explain=opt.explain)
+        when = opt.when
+        if when is None:
+            return opt
+
+        def guard(m: Any, ev: Any, core: Any) -> bool:
+            held = when(m, ev, core)
+            if held:
+                hits.add(key)
+            return held
+
+        if isinstance(opt, Ignore):
+            return Ignore(opt.reason, when=guard)
+        return Illegal(opt.fault, opt.reason, when=guard)
+
+    def table(t: Table) -> Table:
+        cells = {(s, e): tuple(wrap(t.name, s.name, e.__name__, o) for o in opts) for (s, e), opts in t.cells.items()}
+        return t.patched("instrumented", cells)
+
+    return Tables(consumer=table(TABLES["consumer"]), producer=table(TABLES["producer"]),
+                  engine=table(TABLES["engine"]))
+
+
+def explore_options(scenarios: Mapping[str, Scenario], examples: int,
+                    directed: Iterable[tuple[Scenario, tuple[str, ...]]] = (),
+                    invariants: Iterable[Callable[[Any], None]] = ()) -> set[OptionKey]:
+    """The options the scenarios' searches and the directed interleavings made decide; raises if
+    any breaks an invariant (with the shrunk counterexample)."""
+    hits: set[OptionKey] = set()
+    variant = Variant(id="pdfsm", summary="the real machines, options recorded", tables=instrumented(hits))
+    for name, scenario in scenarios.items():
+        found = hunt(scenario, variant, invariants, max_examples=examples)
+        if found.found:
+            raise AssertionError(f"{name}: {found.message}")
+    for scenario, steps in directed:
+        _, message = replay_choices(list(steps), scenario, variant, invariants)
+        if message:
+            raise AssertionError(message)
+    return hits
 
 
 def unexplained(reached: set[Cell]) -> list[Cell]:

@@ -1,4 +1,4 @@
-"""The invariants a correct implementation keeps (domain.md), as checks on a :class:`World`.
+"""The invariants a correct implementation keeps (how PD transfer must behave), as checks on a :class:`World`.
 
 ``STEP_INVARIANTS`` hold after every step; ``END_INVARIANTS`` once the world has settled
 (:meth:`World.drain`). Each is a plain function ``(world) -> None`` that calls
@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdfsm import consumer, engine
 from pdfsm.fsm import Fault
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from pdfsm.testing.world import World
 
-__all__ = ["END_INVARIANTS", "STEP_INVARIANTS"]
+__all__ = ["END_INVARIANTS", "EXTRA_INVARIANTS", "STEP_INVARIANTS"]
 
 
 def reported_at_most_once(w: World) -> None:
@@ -161,6 +161,20 @@ def nothing_left_running(w: World) -> None:
             w.fail(f"P{pp}.{tp}: requests not terminal at rest: {sorted(core.producers)}")
 
 
+def effects_not_stamped_before_their_cause(w: World) -> None:
+    """A derived event is stamped no earlier than the event it follows from: news is acted on at
+    the time it arrives. (An effect stamped with an older time makes time-guarded options, such as
+    an engine's retry pause, decide on a moment already past.) Opt-in: see ``EXTRA_INVARIANTS``."""
+    for name, records in w.records().items():
+        t_of = {r.seq: r.event.t_ns for r in records}
+        for r in records:
+            if r.cause is not None and r.cause in t_of and r.event.t_ns < t_of[r.cause]:
+                ev: Any = r.event
+                key = (ev.engine_id, ev.pp_rank) if r.machine == "engine" else getattr(ev, "request_id", "")
+                w.fail(f"{name}: {type(ev).__name__} for {r.machine} {key!r} (seq {r.seq}) is stamped "
+                       f"{ev.t_ns}, before the event it follows from (seq {r.cause}, at {t_of[r.cause]})")
+
+
 STEP_INVARIANTS: list[Callable[[World], None]] = [
     reported_at_most_once, no_report_while_reading, failures_carry_their_blocks, notify_only_never_reported,
     received_bytes_are_the_promised_ones, producer_frees_once, leases_expire_on_time,
@@ -170,3 +184,6 @@ STEP_INVARIANTS: list[Callable[[World], None]] = [
 ]
 END_INVARIANTS: list[Callable[[World], None]] = [every_request_reported, every_promise_released,
                                                  nothing_left_running]
+EXTRA_INVARIANTS: list[Callable[[World], None]] = [effects_not_stamped_before_their_cause]
+"""Step invariants the searches do not check by default (pass them as ``invariants``): each scans
+every record after every step, so it costs more than the others."""

@@ -74,7 +74,7 @@ from pdfsm.log import EventLog, MemorySink, Record
 from pdfsm.timers import Timers
 from pdfsm.wire import Notification
 
-__all__ = ["FAULTS", "Choice", "InvariantViolation", "Scenario", "Variant", "World"]
+__all__ = ["EXTRA_FAULTS", "FAULTS", "Choice", "InvariantViolation", "Scenario", "Variant", "World"]
 
 # The world's cores log nothing: violations are expected, and the log records them anyway.
 _QUIET = structlog.wrap_logger(structlog.ReturnLogger(),
@@ -82,6 +82,9 @@ _QUIET = structlog.wrap_logger(structlog.ReturnLogger(),
 
 FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "handshake-refuse",
                     "handshake-timeout", "peer-refused", "notify-drop", "notify-duplicate", "forge", "heartbeat"})
+# Opt-in faults: not in a Scenario's default ``faults`` (FAULTS), so the default scenarios, the mutant
+# suite and their derandomized searches stay as they were; name them in ``Scenario.faults`` to use them.
+EXTRA_FAULTS = frozenset({"link-drop", "post-refuse"})
 COMPAT = "race-model-v1"
 
 
@@ -107,6 +110,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     max_staged: int = 4096  # the producer's bound on staged early notifications
     add_peer_async: bool = False  # the peer-added outcome is its own step (others may come between)
     handshake_retry_ns: int = 10  # the pause after a failed handshake before the next request retries
+    tombstone_ns: int = 0  # the cores' tombstone_ns (0: their default); idle engines go after max(it, retry)
     prefix: tuple[str, ...] = ()  # choices made first, by name, to start exploring from a deep point
     max_steps: int = 40
 
@@ -148,6 +152,7 @@ class _Read:
     cmd: PostRead
     agent: str
     cancelled: bool = False
+    lost: bool = False  # its connection dropped: it can only end DISCONNECTED
 
 
 class World:
@@ -175,7 +180,8 @@ class World:
                 timers = (self.variant.timers(), self.variant.timers())
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
                                 read_timeout_ns=s.read_timeout_ns, lease_margin_ns=s.lease_margin_ns,
-                                handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged, **cfg)
+                                handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged,
+                                tombstone_ns=s.tombstone_ns, **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
                         logger=_QUIET)
 
@@ -212,6 +218,11 @@ class World:
         self.aborts: dict[str, int] = {}
         self.refuse_peer = False
         self.heartbeats = 0
+        self.dead: set[tuple[int, str, int]] = set()  # (rank, engine, pp): connection dropped, not added again
+        self.link_drops = 0
+        self.refuse_post: set[int] = set()  # consumer ranks whose transport refuses its next post
+        self.post_refusals = 0
+        self.reporting_disconnect = False  # applying the transport's PeerDisconnected for one link
         for i in range(s.requests):
             self._push("prefill-scheduler", ("finish", i))
 
@@ -261,6 +272,16 @@ class World:
         if "forge" in faults and "forge again" not in self.faults_used:
             out.append(Choice("fault: a forged notification reaches the producer", frozenset({"p:forged"}),
                               self._forge))
+        if "link-drop" in faults and self.link_drops < 2:  # one PP rank's connection, the producer reachable
+            for rank, engine, pp in sorted(self.peers):
+                if (rank, engine, pp) not in self.dead:
+                    out.append(Choice(f"fault: D{rank} loses its connection to ({engine}, pp {pp})",
+                                      frozenset({"engine"}), partial(self._link_drop, rank, engine, pp)))
+        if "post-refuse" in faults and self.post_refusals < 2:
+            for rank in range(self.s.consumer_tp):
+                if rank not in self.refuse_post:
+                    out.append(Choice(f"fault: D{rank}'s transport will refuse its next post", frozenset({"engine"}),
+                                      partial(self._arm_post_refusal, rank)))
         return out
 
     def _promised(self, i: int) -> bool:
@@ -305,6 +326,10 @@ class World:
             return [Choice(name, frozenset({"engine"}), lambda: self._answer(source, rank, cmd, "late")),
                     Choice(f"{name}: refused", frozenset({"engine"}),
                            lambda: self._answer(source, rank, cmd, "refuse"))]
+        if kind == "link-down":
+            rank, engine, pp = payload
+            return [Choice(f"transport: D{rank} reports ({engine}, pp {pp}) disconnected", frozenset({"engine"}),
+                           lambda: self._link_down(source, rank, engine, pp))]
         if kind == "event":
             target, ev = payload
             return [Choice(f"{source}: {type(ev).__name__} reaches {target}", frozenset({"engine"}),
@@ -318,7 +343,7 @@ class World:
             outcomes = ["cancelled", "done"] if read.cancelled else ["done"]
             if not read.cancelled:
                 outcomes += [f for f in ("err", "raise") if f"read-{f}" in faults]
-            if read.agent.startswith("P") and self.disconnected:
+            if (read.agent.startswith("P") and self.disconnected) or read.lost:
                 outcomes = ["disconnected"]
             return [Choice(f"{base} ends {o}", keys, partial(self._end_read, source, key, o)) for o in outcomes]
         if kind == "notify":
@@ -465,6 +490,29 @@ class World:
             for pp in range(self.s.producer_pp):
                 self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id="P", pp_rank=pp, detail="gone"))
 
+    def _link_drop(self, rank: int, engine: str, pp: int) -> None:
+        """One consumer rank's connection to one PP rank of the producer drops; the producer itself
+        stays up (a new handshake reaches it). Reads on that connection end DISCONNECTED, sends on it
+        fail, and the transport reports the engine gone once, later (it submits to the inbox)."""
+        self.link_drops += 1
+        self.dead.add((rank, engine, pp))
+        for (r, _, p, _), read in self.reads.items():
+            if r == rank and p == pp and read.cmd.engine_id == engine:
+                read.lost = True
+        self._push(f"transport D{rank}", ("link-down", (rank, engine, pp)))
+
+    def _link_down(self, source: str, rank: int, engine: str, pp: int) -> None:
+        self.sources[source].popleft()
+        self.reporting_disconnect = True
+        try:
+            self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id=engine, pp_rank=pp, detail="connection lost"))
+        finally:
+            self.reporting_disconnect = False
+
+    def _arm_post_refusal(self, rank: int) -> None:
+        self.post_refusals += 1
+        self.refuse_post.add(rank)
+
     def _forge(self) -> None:
         again = "forge" in self.faults_used
         self.faults_used.add("forge again" if again else "forge")
@@ -509,6 +557,7 @@ class World:
                     self.apply(name, self._ev(HandshakeFailed, **common, error="transport refused the peer"))
                     continue
                 self.peers[(rank, cmd.engine_id, cmd.pp_rank)] = {r.tp_rank: r.agent for r in cmd.reply.ranks}
+                self.dead.discard((rank, cmd.engine_id, cmd.pp_rank))  # a new connection
                 if self.s.add_peer_async:
                     self._push(f"adapter {name}", ("event", (name, self._ev(PeerAdded, **common))))
                 else:
@@ -516,8 +565,9 @@ class World:
             elif isinstance(cmd, DropPeer):
                 rank = int(name[1:])
                 in_flight = [k for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
-                             and r.cmd.engine_id == cmd.engine_id]
-                if in_flight and not self.disconnected:  # after a disconnect the transport defers the drop
+                             and r.cmd.engine_id == cmd.engine_id and not r.lost]
+                # After a disconnect the transport defers the drop (and reads on a lost connection end anyway).
+                if in_flight and not self.disconnected and not self.reporting_disconnect:
                     self.fail(f"{name} dropped peer ({cmd.engine_id}, {cmd.pp_rank}) with reads in flight: {in_flight}")
                 self.peers.pop((rank, cmd.engine_id, cmd.pp_rank), None)
             elif isinstance(cmd, PostRead):
@@ -539,6 +589,12 @@ class World:
         if src.pp_rank > 0 and not self.s.supports_pp:
             self.pp_asked_of_non_pp += 1
         agent = self.peers.get((rank, cmd.engine_id, src.pp_rank), {}).get(src.tp_rank)
+        if rank in self.refuse_post:  # the transport raises although it knows the peer: the adapter says SETUP
+            self.refuse_post.discard(rank)
+            self._push(f"adapter {name}", ("event", (name, self._ev(
+                HandleFailed, request_id=cmd.request_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank,
+                why=HandleFailure.SETUP, detail="post_read raised"))))
+            return
         if agent is None:  # what a transport does with a read for an unknown peer: it refuses
             self.apply(name, self._ev(HandleFailed, request_id=cmd.request_id, pp_rank=src.pp_rank,
                                       tp_rank=src.tp_rank, why=HandleFailure.SETUP, detail="no such peer"))
@@ -547,7 +603,7 @@ class World:
         key = (rank, cmd.request_id, src.pp_rank, src.tp_rank)
         if key in self.reads:
             self.fail(f"{name} posted the same read twice: {key}")
-        self.reads[key] = _Read(rank, cmd, agent)
+        self.reads[key] = _Read(rank, cmd, agent, lost=(rank, cmd.engine_id, src.pp_rank) in self.dead)
         self._push(f"read {key}", ("read", key))
         if "notify-on-post" in self.variant.quirks:
             self._send(name, cmd.engine_id, src.pp_rank, src.tp_rank, cmd.notification)
@@ -575,7 +631,7 @@ class World:
 
     def _send(self, name: str, engine: str, pp: int, tp: int, note: Notification) -> None:
         agent = self.peers.get((int(name[1:]), engine, pp), {}).get(tp, self.agent(engine, pp, tp))
-        if self.disconnected or not agent.startswith("P"):
+        if self.disconnected or not agent.startswith("P") or (int(name[1:]), engine, pp) in self.dead:
             self.apply(name, self._ev(SendFailed, engine_id=engine, pp_rank=pp, tp_rank=tp,
                                       request_id=note.request_id, error="peer unreachable"))
             return
