@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any
 
@@ -39,6 +40,7 @@ from pdfsm.commands import (
     SendNotification,
     StartHandshake,
 )
+from pdfsm.consumer import S as ConsumerStates
 from pdfsm.core import Core
 from pdfsm.errors import InvalidInput
 from pdfsm.events import (
@@ -71,7 +73,8 @@ _log = structlog.get_logger("pdfsm.connector")
 
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _Size = Annotated[int, msgspec.Meta(ge=1)]
-_BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+_MAX_BLOCK_ID = (1 << 63) - 1  # what every codec and transport index can carry
+_BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0, le=_MAX_BLOCK_ID)], ...]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,12 +149,13 @@ def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
             return msgspec.convert(blocks, _BlockIds)
         except msgspec.ValidationError:
             pass
-    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Iterable):
+    # A sequence: its order pairs local blocks with remote ones (a set or a dict's keys has none).
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
         raise InvalidInput(field, f"must be a sequence of block ids, got {blocks!r}")
     out = tuple(blocks)
     for b in out:
-        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
-            raise InvalidInput(field, f"block ids must be non-negative ints, got {b!r}")
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b <= _MAX_BLOCK_ID:
+            raise InvalidInput(field, f"block ids must be ints in 0..2**63-1, got {b!r}")
     return out
 
 
@@ -181,6 +185,9 @@ class Connector:
         self._step = 0
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
+        # Params already loaded, (engine, remote request) -> local id, the newest tombstones-many:
+        # a second read of them could copy blocks the producer released after the first.
+        self._loaded: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.last = StepOutput(step=0)
 
     # --- prefill side ---------------------------------------------------------------------------
@@ -262,6 +269,10 @@ class Connector:
                 raise InvalidInput("lease_start_ns", f"{lease_start_ns} is after now ({now}) on this connector's clock")
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
+        first = self._loaded.get((p.remote_engine_id, p.remote_request_id))
+        if first is not None:
+            raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
+                                                     "producer may have released those blocks since)")
         remote = remote[len(remote) - len(local):] if local else ()
         return ReadRequested(
             source=Source.SCHEDULER, t_ns=now, request_id=rid, remote_request_id=p.remote_request_id,
@@ -301,6 +312,11 @@ class Connector:
 
         Every entry is checked before any is submitted: a bad one raises InvalidInput
         naming it, and the step is refused whole."""
+        for name, kinds in (("reqs_to_recv", Mapping), ("reqs_to_send", Mapping), ("aborted", (tuple, list))):
+            value = getattr(metadata, name)
+            if not isinstance(value, kinds):
+                raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
+                                         f"got {type(value).__name__}")
         events: list[ReadRequested | BlocksHeld] = []
         for rid, entry in metadata.reqs_to_recv.items():
             if not isinstance(entry, tuple) or len(entry) != 2:
@@ -308,6 +324,9 @@ class Connector:
             events.append(self._read_requested(rid, entry[0], entry[1], None))
         events += [self._blocks_held(rid, blocks, None) for rid, blocks in metadata.reqs_to_send.items()]
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
+        remote = [(ev.engine_id, ev.remote_request_id) for ev in events if isinstance(ev, ReadRequested)]
+        if len(set(remote)) != len(remote):
+            raise InvalidInput("reqs_to_recv", "two requests load the same params: params are single-use")
         for ev in events:
             self._submit(ev)
         for rid in aborted:
@@ -334,7 +353,13 @@ class Connector:
             raise InvalidInput("request_id", f"{rid!r} is already in use on this side ({state or 'queued'})")
 
     def _submit(self, ev: ReadRequested | BlocksHeld) -> None:
-        self._queued[CONSUMER if isinstance(ev, ReadRequested) else PRODUCER].add(ev.request_id)
+        if isinstance(ev, ReadRequested):
+            self._queued[CONSUMER].add(ev.request_id)
+            self._loaded[(ev.engine_id, ev.remote_request_id)] = ev.request_id
+            if len(self._loaded) > self.config.tombstones:
+                self._loaded.popitem(last=False)
+        else:
+            self._queued[PRODUCER].add(ev.request_id)
         self.core.submit(ev)
 
     # --- every step -----------------------------------------------------------------------------
@@ -397,12 +422,22 @@ class Connector:
         """Local blocks of the requests reported failed by the last :meth:`get_finished`."""
         return set(self.last.invalid_block_ids)
 
-    def shutdown(self) -> None:
-        """Stop: reads in flight are cancelled, the log is flushed and closed."""
+    def shutdown(self) -> StepOutput:
+        """Stop, and report every consumer request not reported yet, one last time: those still
+        handshaking or reading are aborted (their reads cancelled, their blocks invalid unless
+        every read completed). Returns that last report (also in :attr:`last`); nothing is
+        reported after it, and the log is flushed and closed. Producer requests still held
+        are not reported: the scheduler frees their blocks as it stops."""
+        waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
+        for rid, m in self.core.consumers.items():
+            if m.state in waiting:
+                self.core.submit(AbortRequested(source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid))
+        self.step()
         self.handshaker.close()
         self.transport.close()
-        self.step()
+        self.get_finished()
         self.core.log.close()
+        return self.last
 
     # --- carrying out commands ------------------------------------------------------------------
 

@@ -507,6 +507,18 @@ def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     _last_stopped(m, ev, core)
 
 
+def _late_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    """Aborting: a read completed after the deadline (its siblings are cancelled already). The
+    blocks it wrote are not trusted: the abort reports them invalid."""
+    _stopped(m, ev)
+    _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline", True)
+
+
+def _late_last_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    _late_stopped(m, ev, core)
+    _last_stopped(m, ev, core)
+
+
 def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
     """The last engine is ready but the request will not read: nothing was posted, so nobody is
     notified (the producer's lease releases its blocks). The ready engine already forgot it."""
@@ -710,7 +722,16 @@ TABLE: Final[Table] = Table(
         ),
         on(
             S.ABORTING,
-            (HandleDone, HandleFailed),
+            HandleDone,
+            _not_in_flight_illegal,
+            Go(S.ABORTING, _late_stopped, when=_past_deadline_with_siblings),
+            Go(S.ABORTED, _late_last_stopped, when=_past_deadline),
+            Go(S.ABORTING, _sibling_stopped, when=_siblings_in_flight),
+            Go(S.ABORTED, _last_stopped),
+        ),
+        on(
+            S.ABORTING,
+            HandleFailed,
             _not_in_flight_illegal,
             Go(S.ABORTING, _sibling_stopped, when=_siblings_in_flight),
             Go(S.ABORTED, _last_stopped),

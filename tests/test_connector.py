@@ -319,12 +319,30 @@ def test_start_load_kv_refuses_a_bad_step_whole() -> None:
     params = w.prefill("p1", [1])
     d = w.d[0]
     d.load("x", [3], params)
-    bad = ConnectorMetadata(reqs_to_recv={"a": ((7,), params), "b": ((7, 8), params)}, aborted=("x",))
+    fresh = [w.prefill(f"p{i}", [i]) for i in (2, 3)]
+    bad = ConnectorMetadata(reqs_to_recv={"a": ((7,), fresh[0]), "b": ((7, 8), fresh[1])}, aborted=("x",))
     with pytest.raises(InvalidInput, match="2 local blocks for 1 remote"):
         d.start_load_kv(bad)
     _, recv = w.run()
     assert recv == {"x": 1}  # "a" was never submitted, and the abort of x was not applied either
     assert not d.last.aborted
+
+
+def test_params_are_single_use() -> None:
+    """A second load of the same params could read blocks the producer released after the first
+    read: refused, whether the first is still live, already reported, or in the same step."""
+    w = World()
+    params = w.prefill("p1", [1])
+    d = w.d[0]
+    d.load("x", [3], params)
+    with pytest.raises(InvalidInput, match="already loaded by 'x'"):
+        d.load("y", [4], params)
+    w.run()
+    with pytest.raises(InvalidInput, match="single-use"):
+        d.load("z", [4], params)
+    twice = w.prefill("p2", [2])
+    with pytest.raises(InvalidInput, match="same params"):
+        d.start_load_kv(ConnectorMetadata(reqs_to_recv={"a": ((5,), twice), "b": ((6,), twice)}))
 
 
 def test_heartbeat_extends_the_producer_lease() -> None:

@@ -639,7 +639,7 @@ def test_vllm_pr_55471_producer_restarted_under_the_same_engine_id_is_handshaken
         failed += pair.d.last.failed
     assert [(f.request_id, f.policy) for f in failed] == [("d1", "recompute")] and "disconnected" in failed[0].reason
     assert pair.d.core.engines[("P", 0)].state.name == "DISCONNECTED"
-    pair.d.load("d2", [7, 8], params)
+    pair.d.load("d2", [7, 8], p2.request_finished("p2", [2, 3]))  # params are single-use: new ones
     got: list[str] = []
     for _ in range(4):
         got += pair.d.get_finished()[1]
