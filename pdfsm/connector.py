@@ -259,6 +259,8 @@ class Connector:
         _check_id("remote_request_id", p.remote_request_id)
         _check_id("remote_engine_id", p.remote_engine_id)
         local = _check_blocks("local_block_ids", local_block_ids)
+        if len(set(local)) != len(local):  # two reads would race to write one block
+            raise InvalidInput("local_block_ids", "a block id is repeated")
         remote = p.remote_block_ids
         if len(local) > len(remote):
             raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")

@@ -222,3 +222,13 @@ def test_a_block_id_beyond_64_bits_is_refused_before_it_kills_the_durable_log(tm
         p.get_finished()
     except Exception as exc:  # noqa: BLE001
         pytest.fail(f"one out-of-range block id killed the connector's log: {exc!r}")
+
+
+def test_a_repeated_local_block_id_is_refused() -> None:
+    """Two remote blocks read into one local block: whichever write lands last wins, silently."""
+    from test_connector import World
+
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    with pytest.raises(InvalidInput, match="repeated"):
+        w.d[0].load("d1", [5, 5], params)
