@@ -34,6 +34,7 @@ from typing import Any, Final, Protocol
 
 from pdfsm.events import CoreConfig, Started
 from pdfsm.filelog import (
+    LOCK_NAME,
     Gap,
     LogError,
     LogReader,
@@ -372,9 +373,11 @@ def clear_demo_logs(log_dir: Path) -> str | None:
     for d in dirs:
         if read_header(segment_paths(d)[0]).meta.get("writer") != DEMO_WRITER:
             return f"{d} holds a log the demo did not write; choose another --log-dir"
+        if writer_holds(d):
+            return f"{d} is being written by a running engine (another demo?); choose another --log-dir"
     for d in dirs:
         for f in d.iterdir():
-            if f.is_file() and ".pdlog" in f.name:
+            if f.is_file() and (".pdlog" in f.name or f.name == LOCK_NAME):
                 f.unlink()
         if not any(d.iterdir()):
             d.rmdir()  # the next run may have other workers: no empty log left to confuse a replay

@@ -40,7 +40,7 @@ from typing import IO, Any
 import msgspec
 
 from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Prefill, Result
-from pdfsm.filelog import read_log
+from pdfsm.filelog import read_log, segment_paths
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs
 from pdfsm.replay import render, replay, summarize
@@ -94,6 +94,7 @@ class Engine:
         self._stderr_done = threading.Thread(target=self._errors, args=(self.proc.stderr,), daemon=True)
         self._stderr_done.start()
         self.dead = False
+        self.killed = False  # by the demo itself (--fault kill-prefill)
 
     def _read(self, out: IO[str]) -> None:
         for line in out:
@@ -133,9 +134,24 @@ class Engine:
         raise EngineError(f"the {self.role} engine {why}:\n{tail}")
 
     def kill(self) -> None:
-        self.dead = True
+        self.dead = self.killed = True
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+    def exited(self) -> str:
+        """How the engine ended, with the tail of what it said on stderr."""
+        self._stderr_done.join(2.0)
+        return f"the {self.role} engine exited with code {self.proc.returncode}:\n" + "\n".join(self.stderr[-20:])
+
+    def reap(self, timeout: float) -> str | None:
+        """Wait for the process to end (killed if it will not); what went wrong, if anything."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return f"the {self.role} engine did not exit within {timeout:.0f} s: killed"
+        return None if code == 0 or self.killed else self.exited()
 
 
 @dataclass
@@ -198,17 +214,21 @@ def run(args: argparse.Namespace, *, show: bool = True) -> Outcome:
         _drive(args, prefill, decode, out, show)
     finally:
         for eng in (prefill, decode):
-            if eng.proc.poll() is None:
-                eng.send(Finish(grace_s=10.0))
+            if eng.proc.poll() is None:  # after a failure nothing in flight will finish: no grace
+                eng.send(Finish(grace_s=1.0 if out.problems else 10.0))
         for eng in (prefill, decode):
-            if not eng.dead:
-                try:
-                    out.accounting[eng.role] = eng.wait_for("accounting", 30)
-                except RuntimeError as exc:
-                    out.problems.append(str(exc))
-            eng.proc.wait(timeout=30)
+            try:
+                if not eng.dead:
+                    try:
+                        out.accounting[eng.role] = eng.wait_for("accounting", 30)
+                    except RuntimeError as exc:
+                        out.problems.append(str(exc))
+            finally:
+                problem = eng.reap(30)
+                if problem is not None and problem not in "\n".join(out.problems):
+                    out.problems.append(problem)
     out.seconds = time.monotonic() - start
-    out.logs = sorted(p for p in log_dir.iterdir() if p.is_dir())
+    out.logs = sorted(p for p in log_dir.iterdir() if p.is_dir() and segment_paths(p))
     _check(args, out, prefill.dead)
     if show:
         _report(args, out)
@@ -283,6 +303,12 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
             print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
         if prefill.dead and done >= started:
             break
+        for eng in (prefill, decode):  # an engine that ended on its own: stop now, not at the timeout
+            if not eng.killed and eng.proc.poll() is not None:
+                eng.dead = True
+                out.problems.append(eng.exited())
+                out.requests = done
+                return
         time.sleep(0.002)
     out.requests = done
     if show and sys.stdout.isatty():
