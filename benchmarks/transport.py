@@ -175,10 +175,10 @@ class Case:
     def pdfsm(self, table: str, mode: str) -> float:
         local, remote = self.tables[table]
         self.transport.xfer_mode = mode  # type: ignore[assignment]
-        params = KVTransferParams(remote_engine_id=self.engine, remote_request_id="bench", remote_host=self.engine,
-                                  remote_port=1, remote_block_ids=remote)
         self.n += 1
         rid = f"r{self.n}"
+        params = KVTransferParams(remote_engine_id=self.engine, remote_request_id=f"bench-{self.n}",  # single-use
+                                  remote_host=self.engine, remote_port=1, remote_block_ids=remote)
         conn = self.conn
         t0 = time.perf_counter()
         conn.load(rid, local, params)
