@@ -421,7 +421,8 @@ class Connector:
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Local blocks of the requests reported failed by the last :meth:`get_finished`."""
+        """Local blocks of the requests the last :meth:`get_finished` reported failed, and of those
+        it reported aborted whose reads did not all complete in time."""
         return set(self.last.invalid_block_ids)
 
     def shutdown(self) -> StepOutput:
@@ -431,9 +432,8 @@ class Connector:
         reported after it, and the log is flushed and closed. Producer requests still held
         are not reported: the scheduler frees their blocks as it stops."""
         waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
-        for rid, m in self.core.consumers.items():
-            if m.state in waiting:
-                self.core.submit(AbortRequested(source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid))
+        for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
+            self.abort(rid)
         self.step()
         self.handshaker.close()
         self.transport.close()

@@ -333,7 +333,6 @@ def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _accept(m, ev, core)
     _arm_deadline(m, ev, core)
-    assert m.plan is not None
     _watch_unconnected(m, ev, core, ev.t_ns)
 
 
@@ -407,17 +406,28 @@ def _fail(m: ConsumerRequest, error: str, remote_fault: bool) -> None:
         m.error, m.remote_fault = error, remote_fault
 
 
-def _fail_unread(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+def _refuse(m: ConsumerRequest, ev: ReadRequested, core: Core, error: str, remote_fault: bool) -> None:
+    """Fail a request before any read: reported at the next collect, nobody notified."""
     _accept(m, ev, core)
-    if _pp_unsupported(m, ev, core):
-        _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
-    elif m.plan is None or len(ev.local_blocks) != len(ev.remote_blocks):
-        _fail(m, "the two engines' layouts cannot exchange KV blocks", False)
-    elif (why := disagreement(ev, core)) is not None:
-        _fail(m, why, True)
-    else:
-        _fail(m, "the producer's lease may already have run out: its blocks cannot be trusted", True)
+    _fail(m, error, remote_fault)
     core.ready(m)
+
+
+# One action per refusing option of (NEW, ReadRequested): the table's guard decided why.
+def _refuse_pp(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _refuse(m, ev, core, str(UnsupportedPP(ev.remote_pp - 1)), False)
+
+
+def _refuse_layout(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _refuse(m, ev, core, "the two engines' layouts cannot exchange KV blocks", False)
+
+
+def _refuse_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _refuse(m, ev, core, "the producer's lease may already have run out: its blocks cannot be trusted", True)
+
+
+def _refuse_contradiction(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _refuse(m, ev, core, disagreement(ev, core) or "", True)
 
 
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -495,26 +505,20 @@ def _failed_cancel_rest(m: ConsumerRequest, ev: HandleFailed, core: Core) -> Non
     _cancel_reads(m, core)
 
 
-def _late(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
-    """A read completed after the deadline: it may have copied reused blocks. Not trusted."""
+def _late_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    """A read completed after the deadline: it may have copied reused blocks. Not trusted (an
+    aborting request reports them invalid; its siblings were cancelled with the abort)."""
     _stopped(m, ev)
     _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline", True)
+
+
+def _late(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    _late_stopped(m, ev, core)
     _cancel_reads(m, core)
 
 
 def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
-    _late(m, ev, core)
-    _last_stopped(m, ev, core)
-
-
-def _late_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
-    """Aborting: a read completed after the deadline (its siblings are cancelled already). The
-    blocks it wrote are not trusted: the abort reports them invalid."""
-    _stopped(m, ev)
-    _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline", True)
-
-
-def _late_last_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
+    """The last read, late (nothing left to cancel)."""
     _late_stopped(m, ev, core)
     _last_stopped(m, ev, core)
 
@@ -621,6 +625,11 @@ local, remote = Fault.LOCAL, Fault.REMOTE
 
 _not_in_flight_illegal = Illegal(local, "completion for a read that is not in flight", when=_not_in_flight)
 
+
+def _join(stay: State, end: State) -> tuple[Go, Go]:
+    """A stopping request waits for every sibling read: the last one to stop moves it to ``end``."""
+    return Go(stay, _sibling_stopped, when=_siblings_in_flight), Go(end, _last_stopped)
+
 TABLE: Final[Table] = Table(
     "consumer",
     states=(S.NEW, *LIVE, S.RELEASED),
@@ -636,12 +645,12 @@ TABLE: Final[Table] = Table(
             Illegal(local, "deadline is on another clock: rebase it first", when=_foreign_deadline),
             Go(S.RELEASED, _drop_notify_only, when=_pp_unsupported_notify_only, fault=local,
                reason="transport cannot serve pp_rank > 0; producer left to its lease"),
-            Go(S.FAILED, _fail_unread, when=_pp_unsupported, fault=local,
+            Go(S.FAILED, _refuse_pp, when=_pp_unsupported, fault=local,
                reason="transport cannot serve pp_rank > 0"),
-            Go(S.FAILED, _fail_unread, when=_bad_topology, fault=local,
+            Go(S.FAILED, _refuse_layout, when=_bad_topology, fault=local,
                reason="the engines' layouts cannot exchange KV blocks"),
-            Go(S.FAILED, _fail_unread, when=_lease_over),
-            Go(S.FAILED, _fail_unread, when=_disagrees, fault=remote,
+            Go(S.FAILED, _refuse_lease_over, when=_lease_over),
+            Go(S.FAILED, _refuse_contradiction, when=_disagrees, fault=remote,
                reason="the params contradict the producer's handshake reply", explain=_why),
             Go(S.HANDSHAKING, _wait_for_engines, when=_engines_pending),
             Go(S.RELEASED, _notify_only_now, when=_nothing_to_read),
@@ -717,25 +726,17 @@ TABLE: Final[Table] = Table(
             S.FAILING,
             (HandleDone, HandleFailed),
             _not_in_flight_illegal,
-            Go(S.FAILING, _sibling_stopped, when=_siblings_in_flight),
-            Go(S.FAILED, _last_stopped),
+            *_join(S.FAILING, S.FAILED),
         ),
         on(
             S.ABORTING,
             HandleDone,
             _not_in_flight_illegal,
             Go(S.ABORTING, _late_stopped, when=_past_deadline_with_siblings),
-            Go(S.ABORTED, _late_last_stopped, when=_past_deadline),
-            Go(S.ABORTING, _sibling_stopped, when=_siblings_in_flight),
-            Go(S.ABORTED, _last_stopped),
+            Go(S.ABORTED, _late_last, when=_past_deadline),
+            *_join(S.ABORTING, S.ABORTED),
         ),
-        on(
-            S.ABORTING,
-            HandleFailed,
-            _not_in_flight_illegal,
-            Go(S.ABORTING, _sibling_stopped, when=_siblings_in_flight),
-            Go(S.ABORTED, _last_stopped),
-        ),
+        on(S.ABORTING, HandleFailed, _not_in_flight_illegal, *_join(S.ABORTING, S.ABORTED)),
         on(S.FAILING, AbortRequested, Go(S.ABORTING)),
         on(S.ABORTING, AbortRequested, Ignore("already aborting")),
         on(STOPPING, DeadlinePassed, Ignore("already stopping: waiting for in-flight reads")),

@@ -480,8 +480,8 @@ class Core:
 
     def next_deadline(self) -> int | None:
         """When a :class:`~pdfsm.events.Tick` will next have something to expire, if ever."""
-        due = [t for t in (self.deadlines.earliest(), self.leases.earliest(), self.idle.earliest()) if t is not None]
-        return min(due) if due else None
+        due = (self.deadlines.earliest(), self.leases.earliest(), self.idle.earliest())
+        return min((t for t in due if t is not None), default=None)
 
     def machines(self) -> Iterator[tuple[str, Any, Any]]:
         """Every live machine as (kind, key, machine)."""

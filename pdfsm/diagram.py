@@ -7,30 +7,25 @@ the output of :func:`markdown` and a test fails when the committed file is stale
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from pdfsm import consumer, engine, producer
-from pdfsm.fsm import Go, Ignore, Illegal, Option, State, Table
+from pdfsm.fsm import Go, Ignore, Illegal, Option, State, Table, label
 
 __all__ = ["TABLES", "cell_summary", "dot", "markdown", "mermaid"]
 
 TABLES: dict[str, Table] = {"consumer": consumer.TABLE, "producer": producer.TABLE, "engine": engine.TABLE}
 
 
-def _label(fn: Callable[..., Any] | None) -> str:
-    return "" if fn is None else fn.__name__.strip("_").replace("_", " ")
-
-
 def _edges(table: Table) -> dict[tuple[State, State], list[str]]:
     """Transition labels grouped by (source, destination), in table order."""
     edges: dict[tuple[State, State], list[str]] = {}
     for src, etype, go in table.edges():
-        guard = f" [{_label(go.when)}]" if go.when is not None else ""
-        label = f"{etype.__name__}{guard}"
+        guard = f" [{label(go.when)}]" if go.when is not None else ""
+        text = f"{etype.__name__}{guard}"
         labels = edges.setdefault((src, go.dst), [])
-        if label not in labels:
-            labels.append(label)
+        if text not in labels:
+            labels.append(text)
     return edges
 
 
@@ -60,7 +55,7 @@ def dot(table: Table) -> str:
 
 
 def _option(opt: Option) -> str:
-    guard = f" if {_label(opt.when)}" if opt.when is not None else ""
+    guard = f" if {label(opt.when)}" if opt.when is not None else ""
     if isinstance(opt, Go):
         fault = f" (handles a {opt.fault.value} fault)" if opt.fault is not None else ""
         return f"→ {opt.dst.name}{guard}{fault}"

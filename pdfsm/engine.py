@@ -257,8 +257,11 @@ def _evict(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
 def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) -> None:
     m.reply = None
     core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
-    if isinstance(ev, PeerDisconnected):
-        core.engine_idle(m, ev.t_ns)
+
+
+def _lost(m: RemoteEngine, ev: PeerDisconnected, core: Core) -> None:
+    _drop(m, ev, core)
+    core.engine_idle(m, ev.t_ns)
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -311,7 +314,7 @@ TABLE: Final[Table] = Table(
         # CONNECTED.
         on(S.CONNECTED, EngineWanted, Go(S.CONNECTED, _ready_now)),
         on(S.CONNECTED, _replies, Ignore("already connected: a stale reply")),
-        on(S.CONNECTED, PeerDisconnected, Go(S.DISCONNECTED, _drop)),
+        on(S.CONNECTED, PeerDisconnected, Go(S.DISCONNECTED, _lost)),
         on(
             S.CONNECTED,
             EvictRequested,

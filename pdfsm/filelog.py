@@ -555,7 +555,8 @@ def _backup_name(path: Path) -> Path:
         n += 1
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by name (a directory: the names in it become durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -574,14 +575,13 @@ def _repair(err: TornTailError, header_size: int | None) -> Repair:
         offset = 0
     else:
         shutil.copyfile(path, backup)
-        with open(backup, "rb") as kept:  # the copy is durable before the original is cut
-            os.fsync(kept.fileno())
-        _fsync_dir(path.parent)
+        fsync_path(backup)  # the copy is durable before the original is cut
+        fsync_path(path.parent)
         with open(path, "r+b") as f:
             f.truncate(offset)
             f.flush()
             os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return Repair(str(path), offset, size - offset, str(backup), err.reason)
 
 

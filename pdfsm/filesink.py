@@ -60,6 +60,7 @@ from pdfsm.filelog import (
     Recovery,
     encode_frame,
     encode_header,
+    fsync_path,
     lock_writer,
     recover,
     segment_name,
@@ -118,14 +119,6 @@ def _write_all(fd: int, bufs: list[bytes]) -> int:
     return total
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _make_dirs(directory: Path) -> None:
     """Create the log directory and make each new level durable in its parent."""
     made = []
@@ -137,7 +130,7 @@ def _make_dirs(directory: Path) -> None:
         d = d.parent
     directory.mkdir(parents=True, exist_ok=True)
     for new in reversed(made):
-        _fsync_dir(new.parent)
+        fsync_path(new.parent)
 
 
 class FileSink:
@@ -181,41 +174,37 @@ class FileSink:
                                                 **(metadata or {})}
         _make_dirs(self.directory)
         self._lock = lock_writer(self.directory)
-        try:
+        try:  # the lock is let go if recovery or the first segment fails
             self.recovery: Final[Recovery] = recover(self.directory, max_frame_bytes=max_frame_bytes)
-        except BaseException:
-            os.close(self._lock)
-            raise
-        start = self.recovery.next_seq
-        # owner side
-        self._next_in = start  # the seq the next handed-over row must have
-        self.lost = 0
-        # shared, under _cond
-        self._cond = threading.Condition()
-        self._queue: deque[list[Row] | _Lost] = deque()
-        self._queued = 0
-        self._blocked = 0
-        self._closing = False
-        self._sync_wanted = False
-        self._error: BaseException | None = None
-        # writer side (ints read by any thread)
-        self.written_seq = start - 1  # handed to the kernel
-        self.acked_seq = start - 1  # fsynced
-        self.frames = 0
-        self.bytes_written = 0
-        self.segments_deleted = 0
-        self._encode = msgspec.msgpack.Encoder().encode
-        self._segments: list[Path] = segment_paths(self.directory)
-        self._iov: list[bytes] = []
-        self._pending = 0
-        self._next_out = start
-        self._dirty = False
-        self._last_sync = time.monotonic_ns()
-        self._fd = -1
-        self._prev_crc = 0
-        self._seg_size = 0
-        self._unsynced: list[Path] = []  # under ``never``: segments created since the last sync
-        try:
+            start = self.recovery.next_seq
+            # owner side
+            self._next_in = start  # the seq the next handed-over row must have
+            self.lost = 0
+            # shared, under _cond
+            self._cond = threading.Condition()
+            self._queue: deque[list[Row] | _Lost] = deque()
+            self._queued = 0
+            self._blocked = 0
+            self._closing = False
+            self._sync_wanted = False
+            self._error: BaseException | None = None
+            # writer side (ints read by any thread)
+            self.written_seq = start - 1  # handed to the kernel
+            self.acked_seq = start - 1  # fsynced
+            self.frames = 0
+            self.bytes_written = 0
+            self.segments_deleted = 0
+            self._encode = msgspec.msgpack.Encoder().encode
+            self._segments: list[Path] = segment_paths(self.directory)
+            self._iov: list[bytes] = []
+            self._pending = 0
+            self._next_out = start
+            self._dirty = False
+            self._last_sync = time.monotonic_ns()
+            self._fd = -1
+            self._prev_crc = 0
+            self._seg_size = 0
+            self._unsynced: list[Path] = []  # under ``never``: segments created since the last sync
             self._open_segment(start)
         except BaseException:
             os.close(self._lock)
@@ -437,12 +426,8 @@ class FileSink:
     def _sync(self) -> None:
         if self._unsynced:  # ``never`` created (and filled) these unsynced: nothing in them is acked before
             for path in self._unsynced:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            _fsync_dir(self.directory)
+                fsync_path(path)
+            fsync_path(self.directory)
             self._unsynced.clear()
         if self._dirty:
             os.fdatasync(self._fd)
@@ -470,7 +455,7 @@ class FileSink:
                     self._unsynced.remove(old)
             del self._segments[:-keep]
             if self.fsync.mode != "never":
-                _fsync_dir(self.directory)
+                fsync_path(self.directory)
 
     def _open_segment(self, start: int) -> None:
         """Create the segment starting at ``start``: header to a temp file, fsync, rename."""
@@ -484,7 +469,7 @@ class FileSink:
                 os.fdatasync(fd)
             os.replace(tmp, final)  # an empty segment at the same start (a crash right after rotating)
             if self.fsync.mode != "never":
-                _fsync_dir(self.directory)
+                fsync_path(self.directory)
             else:
                 self._unsynced.append(final)
         except BaseException:

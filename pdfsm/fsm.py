@@ -30,6 +30,7 @@ __all__ = [
     "State",
     "Table",
     "TableError",
+    "label",
     "on",
 ]
 
@@ -70,7 +71,8 @@ IGNORE: Final = 1
 ILLEGAL: Final = 2
 
 
-def _label(fn: Callable[..., Any] | None) -> str:
+def label(fn: Callable[..., Any] | None) -> str:
+    """A guard's or action's name as diagrams and logs show it ("_lease_over" -> "lease over")."""
     return "" if fn is None else fn.__name__.strip("_").replace("_", " ")
 
 
@@ -107,7 +109,7 @@ class Go:
         self.explain: Final = explain
 
     def __repr__(self) -> str:
-        guard = f" when {_label(self.when)}" if self.when else ""
+        guard = f" when {label(self.when)}" if self.when else ""
         return f"Go({self.dst}{guard})"
 
 

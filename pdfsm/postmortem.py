@@ -222,8 +222,7 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
     for arg in paths:
         p = Path(arg)
         try:
-            subs = sorted(c for c in p.iterdir() if c.is_dir() and _has_segments(c)) \
-                if p.is_dir() and not _has_segments(p) else []
+            subs = worker_logs(p) if not _has_segments(p) else []
         except OSError:  # unreadable: load() says so as the log's status
             subs = []
         for log in subs or [p]:
@@ -239,6 +238,11 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
 
 def _has_segments(p: Path) -> bool:
     return p.is_dir() and bool(segment_paths(p))
+
+
+def worker_logs(log_dir: Path) -> list[Path]:
+    """The log directories under ``log_dir`` (one per worker: those holding segments), by name."""
+    return sorted(d for d in log_dir.iterdir() if _has_segments(d)) if log_dir.is_dir() else []
 
 
 class _Reader(LogReader):
@@ -369,7 +373,7 @@ def clear_demo_logs(log_dir: Path) -> str | None:
     """Remove the logs an earlier demo run left under ``log_dir``, so a rerun into the same directory
     replays only itself; returns why not when a log there was not a demo's (it is left alone: an
     engine's log starts at seq 0 and cannot be appended to, nor may a demo delete someone's log)."""
-    dirs = [d for d in sorted(log_dir.iterdir()) if d.is_dir() and segment_paths(d)] if log_dir.is_dir() else []
+    dirs = worker_logs(log_dir)
     for d in dirs:
         if read_header(segment_paths(d)[0]).meta.get("writer") != DEMO_WRITER:
             return f"{d} holds a log the demo did not write; choose another --log-dir"

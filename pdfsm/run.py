@@ -40,9 +40,9 @@ from typing import IO, Any
 import msgspec
 
 from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Prefill, Result
-from pdfsm.filelog import read_log, segment_paths
+from pdfsm.filelog import read_log
 from pdfsm.log import Record
-from pdfsm.postmortem import clear_demo_logs
+from pdfsm.postmortem import clear_demo_logs, worker_logs
 from pdfsm.replay import render, replay, summarize
 
 __all__ = ["Outcome", "add_arguments", "main", "run", "run_command"]
@@ -95,6 +95,7 @@ class Engine:
         self._stderr_done.start()
         self.dead = False
         self.killed = False  # by the demo itself (--fault kill-prefill)
+        self.ended_early = False  # exited on its own mid-run (already reported as a problem)
 
     def _read(self, out: IO[str]) -> None:
         for line in out:
@@ -151,7 +152,7 @@ class Engine:
             self.proc.kill()
             self.proc.wait()
             return f"the {self.role} engine did not exit within {timeout:.0f} s: killed"
-        return None if code == 0 or self.killed else self.exited()
+        return None if code == 0 or self.killed or self.ended_early else self.exited()
 
 
 @dataclass
@@ -225,10 +226,10 @@ def run(args: argparse.Namespace, *, show: bool = True) -> Outcome:
                         out.problems.append(str(exc))
             finally:
                 problem = eng.reap(30)
-                if problem is not None and problem not in "\n".join(out.problems):
+                if problem is not None:
                     out.problems.append(problem)
     out.seconds = time.monotonic() - start
-    out.logs = sorted(p for p in log_dir.iterdir() if p.is_dir() and segment_paths(p))
+    out.logs = worker_logs(log_dir)
     _check(args, out, prefill.dead)
     if show:
         _report(args, out)
@@ -305,7 +306,7 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
             break
         for eng in (prefill, decode):  # an engine that ended on its own: stop now, not at the timeout
             if not eng.killed and eng.proc.poll() is not None:
-                eng.dead = True
+                eng.dead = eng.ended_early = True
                 out.problems.append(eng.exited())
                 out.requests = done
                 return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
+import ipaddress
 import math
 import os
 import secrets
@@ -321,10 +322,10 @@ class SideChannelServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._handlers: set[threading.Thread] = set()
         self._closed = False
-        if host in ("0.0.0.0", "::"):
-            _log.warning("side channel listening on every interface, as configured", host=host,
-                         hmac=secret is not None)
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        if ipaddress.ip_address(str(addr[0]).split("%")[0]).is_unspecified:
+            raise ValueError(f"host {host!r} would bind every interface: name the one to serve on "
+                             "(the default is loopback, 127.0.0.1)")
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

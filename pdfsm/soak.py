@@ -35,7 +35,7 @@ from pdfsm.connector import KVTransferParams
 from pdfsm.engine_messages import Abort, Finish, Load, Prefill, Result, Tamper
 from pdfsm.fsm import Fault
 from pdfsm.log import Record
-from pdfsm.postmortem import clear_demo_logs
+from pdfsm.postmortem import clear_demo_logs, worker_logs
 from pdfsm.run import Engine, _drain, replayed
 
 __all__ = ["KINDS", "SoakResult", "add_arguments", "run", "soak_command"]
@@ -353,7 +353,7 @@ class _Soak:
         out.problems += [f"unexpected violation: {u}" for u in out.unexpected[:20]]
 
     def _check_logs(self) -> None:
-        for log, records, error in replayed(sorted(p for p in self.log_dir.iterdir() if p.is_dir())):
+        for log, records, error in replayed(worker_logs(self.log_dir)):
             if error:
                 self.out.divergent.append(error)
                 continue

@@ -14,34 +14,15 @@ Two kinds of test live here:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
 from pdfsm.events import HandshakeDone, HandshakeFailed
-from pdfsm.testing import FAULTS, InvariantViolation, Scenario, World, hunt
+from pdfsm.testing import FAULTS, Scenario, World, hunt
 from pdfsm.testing.coverage import explore_options
-from pdfsm.testing.invariants import END_INVARIANTS, EXTRA_INVARIANTS
+from pdfsm.testing.explore import replay_choices
+from pdfsm.testing.invariants import EXTRA_INVARIANTS
 
 HANDSHAKE_FAULTS = frozenset({"evict", "disconnect", "handshake-refuse", "handshake-timeout", "peer-refused"})
-
-
-def _replay(steps: list[str], scenario: Scenario,
-            invariants: list[Callable[[World], None]] | None = None) -> tuple[World, str]:
-    """Make the named choices in order (every one must be enabled), settle, and check every
-    invariant; returns the world and the violation message ("" if every invariant held)."""
-    world = World(scenario, None, invariants or [])
-    try:
-        for name in steps:
-            choice = next((c for c in world.enabled() if c.name == name), None)
-            assert choice is not None, f"step {name!r} is not enabled: {[c.name for c in world.enabled()]}"
-            world.choose(choice)
-        world.drain()
-        for invariant in END_INVARIANTS:
-            invariant(world)
-    except InvariantViolation as exc:
-        return world, str(exc)
-    return world, ""
 
 
 # --- bug A: handshake attempt numbers restart when an engine is forgotten --------------------------
@@ -82,8 +63,8 @@ def test_late_reply_to_a_forgotten_engines_attempt_is_not_taken_for_the_new_atte
         "scheduler: D0 asks to read r1",  # a fresh engine machine: StartHandshake attempt #1 again
         "handshake: D0 gets a late answer for (P, pp 0) #1",  # the first incarnation's reply
     ]
-    _, message = _replay(steps, Scenario(requests=2, faults=frozenset({"handshake-timeout"})),
-                         [stale_replies_never_accepted])
+    _, message = replay_choices(steps, Scenario(requests=2, faults=frozenset({"handshake-timeout"})), None,
+                                [stale_replies_never_accepted], strict=True)
     assert not message, message
 
 
@@ -100,8 +81,8 @@ def test_late_refusal_to_a_forgotten_engines_attempt_does_not_fail_the_new_reque
         "scheduler: D0 asks to read r1",
         "handshake: D0 gets a late answer for (P, pp 0) #1: refused",
     ]
-    _, message = _replay(steps, Scenario(requests=2, faults=frozenset({"handshake-timeout"})),
-                         [stale_replies_never_accepted])
+    _, message = replay_choices(steps, Scenario(requests=2, faults=frozenset({"handshake-timeout"})), None,
+                                [stale_replies_never_accepted], strict=True)
     assert not message, message
 
 
@@ -128,7 +109,7 @@ def test_stale_peer_added_from_a_forgotten_engine_is_not_a_local_violation() -> 
         "scheduler: D0 asks to read r1",
         "adapter D0: PeerAdded reaches D0",
     ]
-    _, message = _replay(steps, Scenario(requests=2, add_peer_async=True))
+    _, message = replay_choices(steps, Scenario(requests=2, add_peer_async=True), None, strict=True)
     assert not message, message
 
 
@@ -156,8 +137,8 @@ def test_notify_only_request_failed_by_both_pp_engines_at_once() -> None:
         "prefill: p1 finishes prefill",
         "scheduler: D0 asks to read r1",  # r1 is notify-only: both engines fail fast in one cascade
     ]
-    _, message = _replay(steps, Scenario(requests=2, producer_pp=2, notify_only=(1,),
-                                         faults=frozenset({"handshake-refuse"})))
+    _, message = replay_choices(steps, Scenario(requests=2, producer_pp=2, notify_only=(1,),
+                                                faults=frozenset({"handshake-refuse"})), None, strict=True)
     assert not message, message
 
 
@@ -199,8 +180,8 @@ def test_a_lost_pp_engine_watched_again_after_its_retry_pause_is_retried() -> No
         "timer: 5 ns pass",  # t=15: pp 0's retry pause (10 ns) is over
         "handshake: D0 gets the answer for (P, pp 1) #1",  # r0 rewatches pp 0
     ]
-    world, message = _replay(steps, Scenario(requests=2, producer_pp=2, faults=LINK_DROP | {"handshake-refuse"}),
-                             EXTRA_INVARIANTS)
+    world, message = replay_choices(steps, Scenario(requests=2, producer_pp=2, faults=LINK_DROP | {"handshake-refuse"}),
+                                    None, EXTRA_INVARIANTS, strict=True)
     assert not message, message
     assert [o.outcome for o in world.hand_offs[(0, "r0")]] == ["received"], world.hand_offs[(0, "r0")]
 

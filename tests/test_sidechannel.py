@@ -195,6 +195,12 @@ def test_empty_host_is_refused_rather_than_binding_every_interface() -> None:
         SideChannelServer(reply_for, host="")
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "0", "::0"])
+def test_a_wildcard_host_is_refused_rather_than_binding_every_interface(host: str) -> None:
+    with pytest.raises(ValueError, match="every interface"):
+        SideChannelServer(reply_for, host=host)
+
+
 def test_real_handshake_round_trips_exactly(server: SideChannelServer) -> None:
     for pp in (0, 1):
         got = fetch_reply("127.0.0.1", server.port, engine_id="D", pp_rank=pp)

@@ -143,11 +143,14 @@ class TorchNetwork:
         target.inbox.append((sender, raw))
 
 
+# Per layer: (local region, remote region, [(local offset, remote offset, length)]).
+_Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
+
+
 class _Read:
     __slots__ = ("cancel", "cmd", "peer", "plan")
 
-    def __init__(self, cmd: PostRead, peer: str, plan: list[tuple[int, int, list[tuple[int, int, int]]]]) -> None:
-        # plan: (local region, remote region, [(local offset, remote offset, length)])
+    def __init__(self, cmd: PostRead, peer: str, plan: _Plan) -> None:
         self.cmd, self.peer, self.plan = cmd, peer, plan
         self.cancel = threading.Event()
 
@@ -273,23 +276,9 @@ class TorchTransport:
             raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
         name = remote.agent
         peer = self.network.reachable(name)
-        if peer is not None and cmd.local_blocks:
-            why = self.layer_map.problem(cmd.engine_id, self.peers)
-            if why is not None:
-                raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
-        plan: list[tuple[int, int, list[tuple[int, int, int]]]] = []
-        try:
-            # Remote region rk into local region lk: one layer. A peer gone since the handshake: the
-            # read is accepted and ends DISCONNECTED, as had it gone a moment later (reported once).
-            for rk, lk in enumerate(remote.local_pos if peer is not None else ()):
-                assert peer is not None
-                dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, [self.regions[lk]], [peer.regions[rk]],
-                                    local_slice=src.local_slice, local_slices=src.local_slices,
-                                    remote_slice=src.remote_slice, remote_slices=src.remote_slices)
-                plan.append((lk, rk, [(int(a), int(b), int(n)) for (a, n, _), (b, _, _)
-                                      in zip(dl.tolist(), dr.tolist(), strict=True)]))
-        except SliceError as exc:
-            raise TransportError(str(exc)) from None
+        # A peer gone since the handshake: the read is accepted with nothing to copy and ends
+        # DISCONNECTED (_copy), as had it gone a moment later; the engine is reported gone once.
+        plan = self._plan(cmd, remote, peer) if peer is not None else []
         key = (cmd.request_id, src.pp_rank, src.tp_rank)
         read = _Read(cmd, name, plan)
         with self._reads_lock:
@@ -302,6 +291,25 @@ class TorchTransport:
             with self._reads_lock:
                 del self.reads[key]
             raise TransportError(f"cannot start the read: {exc}") from None
+
+    def _plan(self, cmd: PostRead, remote: _Remote, peer: TorchTransport) -> _Plan:
+        """What the read copies, layer by layer; raises if it cannot be set up."""
+        src = cmd.source
+        if cmd.local_blocks:
+            why = self.layer_map.problem(cmd.engine_id, self.peers)
+            if why is not None:
+                raise LayerError(f"cannot read from {cmd.engine_id}: {why}")
+        plan: _Plan = []
+        try:
+            for rk, lk in enumerate(remote.local_pos):  # remote region rk into local region lk: one layer
+                dl, dr = read_descs(cmd.local_blocks, cmd.remote_blocks, [self.regions[lk]], [peer.regions[rk]],
+                                    local_slice=src.local_slice, local_slices=src.local_slices,
+                                    remote_slice=src.remote_slice, remote_slices=src.remote_slices)
+                plan.append((lk, rk, [(int(a), int(b), int(n)) for (a, n, _), (b, _, _)
+                                      in zip(dl.tolist(), dr.tolist(), strict=True)]))
+        except SliceError as exc:
+            raise TransportError(str(exc)) from None
+        return plan
 
     def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
         with self._reads_lock:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pdfsm.core import Tables
 from pdfsm.diagram import TABLES
-from pdfsm.fsm import Fault, Go, Ignore, Illegal, Option, Table
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, Option, Table, label
 from pdfsm.testing.explore import DEFAULT_SCENARIOS, hunt, replay_choices
 from pdfsm.testing.world import Scenario, Variant
 
@@ -102,9 +102,8 @@ def explore(examples: int) -> set[Cell]:
 def option_label(opt: Option) -> str:
     """A stable name for an option: its destination, action and guard, or its reason."""
     if isinstance(opt, Go):
-        action = opt.action.__name__.strip("_").replace("_", " ") if opt.action is not None else "-"
-        guard = f" when {opt.when.__name__.strip('_').replace('_', ' ')}" if opt.when is not None else ""
-        return f"-> {opt.dst.name} ({action}){guard}"
+        guard = f" when {label(opt.when)}" if opt.when is not None else ""
+        return f"-> {opt.dst.name} ({label(opt.action) or '-'}){guard}"
     return repr(opt)
 
 

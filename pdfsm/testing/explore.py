@@ -118,15 +118,18 @@ def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invar
 
 
 def replay_choices(names: list[str], scenario: Scenario | None, variant: Variant | None,
-                   invariants: Iterable[Invariant] = ()) -> tuple[World, str]:
-    """Make the named choices in order (skipping any not enabled), settle, check; returns the world
-    and the violation message ("" if every invariant held)."""
+                   invariants: Iterable[Invariant] = (), *, strict: bool = False) -> tuple[World, str]:
+    """Make the named choices in order (skipping any not enabled; ``strict``: a step not enabled
+    is a ValueError, for a written-down interleaving), settle, check; returns the world and the
+    violation message ("" if every invariant held)."""
     world = World(scenario, variant, invariants)
     try:
         for name in names:
             choice = next((c for c in world.enabled() if c.name == name), None)
             if choice is not None:
                 world.choose(choice)
+            elif strict:
+                raise ValueError(f"step {name!r} is not enabled: {[c.name for c in world.enabled()]}")
         world.drain()
         for invariant in END_INVARIANTS:
             invariant(world)
