@@ -72,7 +72,7 @@ class StubTransport:
     def rank_info(self) -> RankInfo:
         return RankInfo(pp_rank=0, tp_rank=0, agent="stub")
 
-    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+    def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         pass
 
     def drop_peer(self, key: EngineKey) -> None:

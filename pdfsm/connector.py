@@ -465,7 +465,7 @@ class Connector:
                     self.handshaker.start(cmd)
                 elif isinstance(cmd, AddPeer):
                     try:
-                        self.transport.add_peer((cmd.engine_id, cmd.pp_rank), cmd.reply)
+                        self.transport.add_peer((cmd.engine_id, cmd.pp_rank), cmd.reply, cmd.attempt)
                     except Exception as exc:  # noqa: BLE001 - the transport refused the peer
                         submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=now(), engine_id=cmd.engine_id,
                                                pp_rank=cmd.pp_rank, attempt=cmd.attempt,

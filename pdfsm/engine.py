@@ -142,6 +142,10 @@ def _stale(m: RemoteEngine, ev: HandshakeDone | HandshakeFailed | PeerAdded, cor
     return ev.attempt != m.attempt
 
 
+def _stale_loss(m: RemoteEngine, ev: PeerDisconnected, core: Core) -> bool:
+    return ev.attempt not in (0, m.attempt)  # 0: not known, taken as the current connection
+
+
 def _reply_refused(m: RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
     return validate_reply(m, ev.reply, core) is not None
 
@@ -269,6 +273,7 @@ def _lost(m: RemoteEngine, ev: PeerDisconnected, core: Core) -> None:
 local, remote = Fault.LOCAL, Fault.REMOTE
 _replies = (HandshakeDone, HandshakeFailed, PeerAdded)
 _stale_ignored = Ignore("reply to an earlier handshake attempt", when=_stale)
+_stale_loss_ignored = Ignore("the loss of another attempt's connection, not the current one", when=_stale_loss)
 
 TABLE: Final[Table] = Table(
     "engine",
@@ -309,12 +314,12 @@ TABLE: Final[Table] = Table(
         on(S.CONNECTING, HandshakeDone, _stale_ignored, Ignore("a reply was already accepted for this attempt")),
         on(S.CONNECTING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
         on(S.CONNECTING, PeerAdded, _stale_ignored, Go(S.CONNECTED, _connected)),
-        on(S.CONNECTING, PeerDisconnected, Go(S.FAILED, _lost_while_connecting)),
+        on(S.CONNECTING, PeerDisconnected, _stale_loss_ignored, Go(S.FAILED, _lost_while_connecting)),
         on(S.CONNECTING, EvictRequested, Ignore("a handshake is in progress")),
         # CONNECTED.
         on(S.CONNECTED, EngineWanted, Go(S.CONNECTED, _ready_now)),
         on(S.CONNECTED, _replies, Ignore("already connected: a stale reply")),
-        on(S.CONNECTED, PeerDisconnected, Go(S.DISCONNECTED, _lost)),
+        on(S.CONNECTED, PeerDisconnected, _stale_loss_ignored, Go(S.DISCONNECTED, _lost)),
         on(
             S.CONNECTED,
             EvictRequested,

@@ -392,9 +392,15 @@ class PeerAdded(_EngineEvent, frozen=True):
 
 
 class PeerDisconnected(_EngineEvent, frozen=True):
-    """The transport saw the peer go away."""
+    """The transport saw the connection of handshake attempt ``attempt`` go away.
+
+    ``attempt`` is the one the transport's ``add_peer`` was given (``AddPeer.attempt``): a report
+    about a connection replaced since is told from one about the current connection. 0 means not
+    known (logs of schema 1, an adapter that does not track it): taken as the current connection.
+    """
 
     detail: str = ""
+    attempt: int = 0
 
 
 class EvictRequested(_EngineEvent, frozen=True):

@@ -150,7 +150,7 @@ _DETAIL: dict[str, tuple[str, ...]] = {
     "HandshakeDone": ("attempt",),
     "HandshakeFailed": ("attempt", "error"),
     "PeerAdded": ("attempt",),
-    "PeerDisconnected": ("detail",),
+    "PeerDisconnected": ("attempt", "detail"),
     "SendFailed": ("engine_id", "tp_rank", "request_id", "error"),
     "Quarantined": ("reason",),
     "EngineQuarantined": ("reason",),

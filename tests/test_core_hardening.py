@@ -267,3 +267,44 @@ def test_an_aborted_request_whose_read_completed_late_reports_its_blocks_invalid
     core.apply(ev(Collect, 220, step=1))
     (off,) = [c for c in core.take_commands() if isinstance(c, HandOff)]
     assert off.outcome == "aborted" and off.invalid_blocks == (1, 2)
+
+
+# --- a disconnect report names its connection ----------------------------------------------------
+
+
+def _reconnecting(core: Core) -> None:
+    """P connected by attempt 1, lost, and handshaken again: attempt 2 is CONNECTING."""
+    core.apply(read("r1"))
+    _hs(core, 0, pp_size=1)
+    core.apply(ev(PeerDisconnected, engine_id="P", pp_rank=0, detail="link down", attempt=1))
+    core.apply(read("r2"))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=2, reply=reply("P")))
+    assert core.engines[("P", 0)].state.name == "CONNECTING"
+
+
+def test_a_late_disconnect_of_the_replaced_connection_does_not_fail_the_new_one() -> None:
+    """The transport reports the old connection (attempt 1) gone; the report is still in the inbox
+    when attempt 2 reaches CONNECTING. It names attempt 1, so it is ignored with a reason; the
+    new connection completes and r2 reads (it used to fail attempt 2, retried after the pause)."""
+    core = make_core()
+    _reconnecting(core)
+    seq = core.apply(ev(PeerDisconnected, engine_id="P", pp_rank=0, detail="link down", attempt=1))
+    rec = core.log.records()[seq - core.log.evicted]
+    assert rec.outcome.name == "IGNORED" and "another attempt" in rec.reason
+    core.apply(ev(PeerAdded, engine_id="P", pp_rank=0, attempt=2))
+    assert core.engines[("P", 0)].state.name == "CONNECTED"
+    assert any(isinstance(c, PostRead) and c.request_id == "r2" for c in core.take_commands())
+    # The same stale report once connected changes nothing either; the current one disconnects.
+    core.apply(ev(PeerDisconnected, engine_id="P", pp_rank=0, attempt=1))
+    assert core.engines[("P", 0)].state.name == "CONNECTED"
+    core.apply(ev(PeerDisconnected, engine_id="P", pp_rank=0, attempt=2))
+    assert core.engines[("P", 0)].state.name == "DISCONNECTED"
+
+
+def test_a_disconnect_without_an_attempt_is_taken_as_the_current_connection() -> None:
+    """attempt 0 (logs of schema 1, adapters that do not track it): the old behaviour, the
+    connecting attempt fails, so replaying an old log recomputes what it recorded."""
+    core = make_core()
+    _reconnecting(core)
+    core.apply(ev(PeerDisconnected, engine_id="P", pp_rank=0, detail="link down"))
+    assert core.engines[("P", 0)].state.name == "FAILED"

@@ -433,9 +433,9 @@ class Spy(TorchTransport):
 
     calls: list[tuple[str, int]]
 
-    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+    def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         self.calls.append(("add_peer", key[1]))
-        super().add_peer(key, reply)
+        super().add_peer(key, reply, attempt)
 
     def post_read(self, cmd: PostRead) -> None:
         self.calls.append(("post_read", cmd.source.pp_rank))

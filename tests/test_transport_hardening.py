@@ -133,7 +133,8 @@ def test_torch_read_to_a_peer_that_died_between_reads_reports_it_gone() -> None:
     one PeerDisconnected (the engine is then re-handshaken). The torch transport raises in
     post_read ("unreachable": the Connector reports SETUP, a *local* fault) and never emits
     PeerDisconnected when the peer died while no read was in flight, so the engine stays
-    CONNECTED and every later read fails SETUP. Same commands, different events."""
+    CONNECTED and every later read fails SETUP. Same commands, different events. Both reports
+    name the handshake attempt the connection was added by."""
     def run(make: Any) -> tuple[list[str], bool]:
         d, kill = make()
         events: list[Event] = []
@@ -149,19 +150,20 @@ def test_torch_read_to_a_peer_that_died_between_reads_reports_it_gone() -> None:
             d.progress()
             time.sleep(0.001)
         kinds = [type(e).__name__ + (f"({e.why.name})" if isinstance(e, HandleFailed) else "") for e in events]
+        assert all(e.attempt == 7 for e in events if isinstance(e, PeerDisconnected)), events
         return kinds, raised
 
     def sim() -> tuple[SimTransport, Any]:
         net = SimNetwork()
         p, d = SimTransport(net, "p"), SimTransport(net, "d")
-        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)))
+        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)), 7)
         return d, lambda: net.kill("p")
 
     def torch_() -> tuple[TorchTransport, Any]:
         net = TorchNetwork()
         p = TorchTransport(net, "p", random_kv(1, 4, 64, seed=1))
         d = TorchTransport(net, "d", zero_kv(1, 4, 64))
-        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)))
+        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)), 7)
         return d, lambda: net.kill("p")
 
     sim_kinds, _ = run(sim)
@@ -184,7 +186,7 @@ def test_nixl_read_to_a_peer_that_died_between_reads_reports_it_gone() -> None:
     events: list[Event] = []
     d.bind(events.append, time.monotonic_ns)
     try:
-        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(peer.info,)))
+        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(peer.info,)), 3)
         d.post_read(PostRead("a", "P", ReadSource(0, 0), (0,), (1,), Notification("x", 0, 1)))
         pump([d], lambda: bool(events))
         assert isinstance(events[0], HandleDone)
@@ -196,7 +198,7 @@ def test_nixl_read_to_a_peer_that_died_between_reads_reports_it_gone() -> None:
         while time.monotonic() < deadline and not any(isinstance(e, PeerDisconnected) for e in events):
             d.progress()
             time.sleep(0.005)
-        assert any(isinstance(e, PeerDisconnected) for e in events), events
+        assert [e.attempt for e in events if isinstance(e, PeerDisconnected)] == [3], events
     finally:
         d.close()
         peer.stop()

@@ -68,8 +68,10 @@ class Transport(Protocol):
     def rank_info(self) -> RankInfo:
         """This worker's entry in a handshake reply (agent name, transport metadata)."""
 
-    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
-        """Make every remote rank of a validated reply reachable; raise to refuse."""
+    def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
+        """Make every remote rank of a validated reply reachable; raise to refuse. ``attempt`` is
+        the handshake attempt the connection belongs to; a ``PeerDisconnected`` about this
+        connection carries it (0: not tracked)."""
 
     def drop_peer(self, key: EngineKey) -> None:
         """Forget a peer's ranks, once no read of ours to them is alive."""

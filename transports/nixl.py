@@ -229,12 +229,13 @@ class _Peer:
     """One remote rank: its agent, regions (each paired with a local region by layer) and
     prepared descriptor lists."""
 
-    __slots__ = ("agent", "geometries", "key", "kind", "layers", "local_pos", "local_regions", "prepped", "reads",
-                 "regions", "tp_rank")
+    __slots__ = ("agent", "attempt", "geometries", "key", "kind", "layers", "local_pos", "local_regions", "prepped",
+                 "reads", "regions", "tp_rank")
 
     def __init__(self, key: EngineKey, tp_rank: int, agent: str, meta: NixlRankMetadata,
-                 local_pos: tuple[int, ...], local_regions: tuple[Region, ...]) -> None:
+                 local_pos: tuple[int, ...], local_regions: tuple[Region, ...], attempt: int) -> None:
         self.key, self.tp_rank, self.agent = key, tp_rank, agent
+        self.attempt = attempt  # the handshake attempt that added it: a PeerDisconnected about it carries it
         self.regions = tuple(Region(r.base, r.stride, r.num_blocks, r.device) for r in meta.regions)
         self.layers = _layers_of(meta)
         # Remote region k is read into local region local_pos[k] (the same layer), i.e. local_regions[k].
@@ -363,7 +364,7 @@ class NixlTransport:
 
     # --- peers ----------------------------------------------------------------------------------
 
-    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+    def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         """Add every rank of ``reply`` at ``key``'s pp_rank; all or nothing. Refused: a PP rank
         above 0 when this transport has no PP support, a remote layer this rank does not hold,
         TP ranks of one PP rank holding different layers."""
@@ -410,7 +411,7 @@ class NixlTransport:
                 added.append(name)
                 if name != info.agent:
                     raise TransportError(f"NIXL metadata names agent {name!r}, the reply says {info.agent!r}")
-                ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta, pos, local_regions)
+                ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta, pos, local_regions, attempt)
         except Exception as exc:
             for name in added:
                 self._remove_agent(name)
@@ -626,7 +627,7 @@ class NixlTransport:
         if key not in self._disconnected:
             self._disconnected.add(key)
             self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=key[0],
-                                        pp_rank=key[1], detail=f"{peer.agent}: {detail}"))
+                                        pp_rank=key[1], detail=f"{peer.agent}: {detail}", attempt=peer.attempt))
 
     def _release_read(self, read: _Read) -> None:
         if read.handle is not None:

@@ -120,11 +120,11 @@ class SimNetwork:
 
 
 class _Read:
-    __slots__ = ("cancelled", "cmd", "local_range", "polls", "remote", "remote_range", "script")
+    __slots__ = ("attempt", "cancelled", "cmd", "local_range", "polls", "remote", "remote_range", "script")
 
-    def __init__(self, cmd: PostRead, remote: str, script: ReadScript,
+    def __init__(self, cmd: PostRead, remote: str, attempt: int, script: ReadScript,
                  local_range: tuple[int, int], remote_range: tuple[int, int]) -> None:
-        self.cmd, self.remote, self.script = cmd, remote, script
+        self.cmd, self.remote, self.attempt, self.script = cmd, remote, attempt, script
         self.polls = script.polls
         self.cancelled = False
         self.local_range, self.remote_range = local_range, remote_range  # (offset, length) in a block
@@ -156,6 +156,7 @@ class SimTransport:
         self.inbox: deque[list[object]] = deque()  # [delay, sender, raw]
         self.sent: list[tuple[str, NotifyMessage]] = []
         self._disconnected: set[EngineKey] = set()  # engines already reported gone, until re-added
+        self._attempts: dict[EngineKey, int] = {}  # the handshake attempt of each peer's connection
         self._submit: Submit | None = None
         self._clock: Clock = lambda: 0
         network.agents[agent] = self
@@ -182,7 +183,7 @@ class SimTransport:
         layout = msgspec.msgpack.encode(_Layout(self.num_blocks, self.block_bytes))
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout)
 
-    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+    def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         refuse_pp(self.capabilities, self.agent, key[1])
         ranks: dict[int, str] = {}
         for info in reply.ranks:
@@ -190,6 +191,7 @@ class SimTransport:
                 raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
             ranks[info.tp_rank] = info.agent
         self.peers[key] = ranks
+        self._attempts[key] = attempt
         self._disconnected.discard(key)
 
     def drop_peer(self, key: EngineKey) -> None:
@@ -218,7 +220,7 @@ class SimTransport:
         if key in self.reads:
             raise TransportError(f"read {key} is already in flight")
         script = self.network.read_scripts.pop(key, self.network.default_read)
-        self.reads[key] = _Read(cmd, remote, script, lspan, rspan)
+        self.reads[key] = _Read(cmd, remote, self._attempts.get((cmd.engine_id, src.pp_rank), 0), script, lspan, rspan)
 
     def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
         read = self.reads.get((request_id, pp_rank, tp_rank))
@@ -259,7 +261,7 @@ class SimTransport:
                 if failure[0] is HandleFailure.DISCONNECTED and engine not in self._disconnected:
                     self._disconnected.add(engine)  # as NIXL does: the engine is reported gone once
                     self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=now, engine_id=engine[0], pp_rank=pp,
-                                                detail=failure[1]))
+                                                detail=failure[1], attempt=read.attempt))
         for _ in range(len(self.inbox)):
             item = self.inbox.popleft()
             delay, sender, raw = item

@@ -103,6 +103,7 @@ class _Remote(NamedTuple):
     agent: str
     layers: tuple[int, ...]
     local_pos: tuple[int, ...]
+    attempt: int  # the handshake attempt that added it: a PeerDisconnected about it carries it
 
 
 class TorchNetwork:
@@ -148,10 +149,10 @@ _Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
 
 
 class _Read:
-    __slots__ = ("cancel", "cmd", "peer", "plan")
+    __slots__ = ("cancel", "cmd", "peer", "plan", "remote")
 
-    def __init__(self, cmd: PostRead, peer: str, plan: _Plan) -> None:
-        self.cmd, self.peer, self.plan = cmd, peer, plan
+    def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan) -> None:
+        self.cmd, self.remote, self.peer, self.plan = cmd, remote, remote.agent, plan
         self.cancel = threading.Event()
 
 
@@ -226,7 +227,7 @@ class TorchTransport:
     def _check_pp(self, pp_rank: int) -> None:
         refuse_pp(self.capabilities, self.agent_name, pp_rank)
 
-    def add_peer(self, key: EngineKey, reply: HandshakeReply) -> None:
+    def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         """Refused like NIXL's: pp_rank > 0 without PP support, a remote layer this rank does
         not hold, TP ranks of one PP rank holding different layers; and metadata that does not
         describe the peer's memory."""
@@ -252,7 +253,7 @@ class TorchTransport:
                                  f"{next(iter(ranks))}: TP ranks of one PP rank hold the same layers")
             pos = self.layer_map.positions(
                 layers, remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
-            ranks[info.tp_rank] = _Remote(info.agent, layers, pos)
+            ranks[info.tp_rank] = _Remote(info.agent, layers, pos, attempt)
         if not ranks:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
         self.peers[key] = ranks
@@ -280,7 +281,7 @@ class TorchTransport:
         # DISCONNECTED (_copy), as had it gone a moment later; the engine is reported gone once.
         plan = self._plan(cmd, remote, peer) if peer is not None else []
         key = (cmd.request_id, src.pp_rank, src.tp_rank)
-        read = _Read(cmd, name, plan)
+        read = _Read(cmd, remote, plan)
         with self._reads_lock:
             if key in self.reads:
                 raise TransportError(f"read {key} is already in flight")
@@ -341,18 +342,17 @@ class TorchTransport:
             self._emit(HandleDone(**common))  # type: ignore[arg-type]
         else:
             self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
-        current = self.peers.get(engine, {}).get(src.tp_rank)
-        if why is HandleFailure.DISCONNECTED and current is not None and current.agent == read.peer:
-            self._lost(engine, detail)  # not for an old connection replaced since
+        if why is HandleFailure.DISCONNECTED and self.peers.get(engine, {}).get(src.tp_rank) is read.remote:
+            self._lost(engine, read.remote, detail)  # not for an old connection replaced since
 
-    def _lost(self, engine: EngineKey, detail: str) -> None:
-        """Report ``engine`` gone, once until it is added again (as NIXL does)."""
+    def _lost(self, engine: EngineKey, remote: _Remote, detail: str) -> None:
+        """Report ``engine``'s connection ``remote`` gone, once until it is added again (as NIXL does)."""
         with self._reads_lock:
             first = engine not in self._disconnected
             self._disconnected.add(engine)
         if first:
             self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=engine[0],
-                                        pp_rank=engine[1], detail=detail))
+                                        pp_rank=engine[1], detail=detail, attempt=remote.attempt))
 
     def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
         if self.latency_s and read.cancel.wait(self.latency_s):
@@ -383,7 +383,7 @@ class TorchTransport:
         try:
             self.network.deliver(self.agent_name, remote.agent, notify_codec.encode(message))
         except TransportError as exc:
-            self._lost(key, f"notification not delivered: {exc}")
+            self._lost(key, remote, f"notification not delivered: {exc}")
             raise
 
     def progress(self) -> None:

@@ -210,6 +210,7 @@ class World:
         self.requested: set[tuple[int, str]] = set()
         self.notifications: list[Notification] = []
         self.peers: dict[tuple[int, str, int], dict[int, str]] = {}  # (rank, engine, pp) -> tp -> agent
+        self.peer_attempts: dict[tuple[int, str, int], int] = {}  # (rank, engine, pp) -> attempt that added it
         self.transport_calls_off_owner = 0
         self.pp_asked_of_non_pp = 0
         self.disconnected = False
@@ -327,9 +328,9 @@ class World:
                     Choice(f"{name}: refused", frozenset({"engine"}),
                            lambda: self._answer(source, rank, cmd, "refuse"))]
         if kind == "link-down":
-            rank, engine, pp = payload
+            rank, engine, pp, attempt = payload
             return [Choice(f"transport: D{rank} reports ({engine}, pp {pp}) disconnected", frozenset({"engine"}),
-                           lambda: self._link_down(source, rank, engine, pp))]
+                           lambda: self._link_down(source, rank, engine, pp, attempt))]
         if kind == "event":
             target, ev = payload
             return [Choice(f"{source}: {type(ev).__name__} reaches {target}", frozenset({"engine"}),
@@ -488,7 +489,8 @@ class World:
         self.disconnects += 1
         for rank in range(self.s.consumer_tp):
             for pp in range(self.s.producer_pp):
-                self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id="P", pp_rank=pp, detail="gone"))
+                self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id="P", pp_rank=pp, detail="gone",
+                                                attempt=self.peer_attempts.get((rank, "P", pp), 0)))
 
     def _link_drop(self, rank: int, engine: str, pp: int) -> None:
         """One consumer rank's connection to one PP rank of the producer drops; the producer itself
@@ -499,13 +501,17 @@ class World:
         for (r, _, p, _), read in self.reads.items():
             if r == rank and p == pp and read.cmd.engine_id == engine:
                 read.lost = True
-        self._push(f"transport D{rank}", ("link-down", (rank, engine, pp)))
+        # The report names the connection that dropped: by the time it is applied a new handshake
+        # may be connecting, and it must not fail that one.
+        attempt = self.peer_attempts.get((rank, engine, pp), 0)
+        self._push(f"transport D{rank}", ("link-down", (rank, engine, pp, attempt)))
 
-    def _link_down(self, source: str, rank: int, engine: str, pp: int) -> None:
+    def _link_down(self, source: str, rank: int, engine: str, pp: int, attempt: int) -> None:
         self.sources[source].popleft()
         self.reporting_disconnect = True
         try:
-            self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id=engine, pp_rank=pp, detail="connection lost"))
+            self.apply(f"D{rank}", self._ev(PeerDisconnected, engine_id=engine, pp_rank=pp, detail="connection lost",
+                                            attempt=attempt))
         finally:
             self.reporting_disconnect = False
 
@@ -557,6 +563,7 @@ class World:
                     self.apply(name, self._ev(HandshakeFailed, **common, error="transport refused the peer"))
                     continue
                 self.peers[(rank, cmd.engine_id, cmd.pp_rank)] = {r.tp_rank: r.agent for r in cmd.reply.ranks}
+                self.peer_attempts[(rank, cmd.engine_id, cmd.pp_rank)] = cmd.attempt
                 self.dead.discard((rank, cmd.engine_id, cmd.pp_rank))  # a new connection
                 if self.s.add_peer_async:
                     self._push(f"adapter {name}", ("event", (name, self._ev(PeerAdded, **common))))
