@@ -52,6 +52,7 @@ from pdfsm.replay import (
     event_detail,
     follow,
     machine_key,
+    printable,
     render,
     replay,
     summarize,
@@ -229,10 +230,15 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
             name = log.parent.name if log.is_file() and log.name[:1].isdigit() else log.name
             found.append((name or str(log), log))
     out: list[tuple[str, Path]] = []
-    used: dict[str, int] = {}
+    taken = {name for name, _ in found}  # every log's own name
+    given: set[str] = set()
     for name, log in found:
-        used[name] = used.get(name, 0) + 1
-        out.append((name if used[name] == 1 else f"{name}#{used[name]}", log))
+        unique, n = name, 1
+        while unique in given or (unique != name and unique in taken):  # a log named "x#2" keeps its name
+            n += 1
+            unique = f"{name}#{n}"
+        given.add(unique)
+        out.append((unique, log))
     return out
 
 
@@ -282,9 +288,14 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     bar.start(f"reading {out.name}", sum(sizes.values()))
     reader = _Reader(path, lambda f, end: bar.update(before.get(f, 0) + end),
                      on_torn_tail="repair" if repair else "stop")
+    repair_error = None
     try:
         for batch in reader.batches():
             out.records += batch
+    except OSError as e:
+        if reader.torn is None:
+            raise  # the log itself cannot be read: load() says so
+        repair_error = e.strerror or str(e)  # --repair could not cut it; what was read stands
     except UnsupportedVersionError as e:
         out.status, out.error, out.error_file, out.error_offset = "unsupported", str(e), e.path, e.offset
     except LogError as e:  # CorruptLogError, or an intact frame over the reader's cap: unreadable past here
@@ -299,7 +310,8 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         t = reader.torn
         out.status = "torn_tail"
         out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason.removeprefix("torn tail: "),
-                    "repaired": False, "backup": None, "removed_bytes": None, "writer_live": live}
+                    "repaired": False, "backup": None, "removed_bytes": None, "writer_live": live,
+                    "repair_error": repair_error}
         if reader.repairs:
             rep = reader.repairs[-1]
             out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
@@ -425,6 +437,7 @@ def _details(log: LoadedLog) -> Iterator[str]:
                    f"removed: {t['reason']}); the damaged file is kept as {t['backup']}")
         else:
             why = ("a writer holds this log, so --repair left it alone" if t.get("writer_live")
+                   else f"--repair could not cut it: {t['repair_error']}" if t.get("repair_error")
                    else "--repair cuts it there, keeping a copy")
             yield (f"  torn tail: {t['file']} at byte {t['offset']}: {t['reason']}; every record before it "
                    f"replayed; the file was left as it is ({why})")
@@ -453,6 +466,8 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
     if log.replay_note:
         done = "replayed in part, no divergence" if log.replayed else "not replayed"
         headline = headline.replace("replayed, no divergence", done)
+    elif not log.records:  # a header and nothing else: nothing was replayed
+        headline = headline.replace("replayed, no divergence", "no records to replay")
     title = f"{log.name}: {headline}"
     if summary is None or brief:
         n = len(log.records)
@@ -468,7 +483,7 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
 def _follow_text(f: Followed) -> Iterator[str]:
     cons = ", ".join(f"{rid} in {log}" for log, rid in f.consumers) or "none"
     prods = ", ".join(f"{rid} in {log}" for log, rid in f.producers) or "none"
-    yield f"request {f.query}: producer {prods}; consumer {cons}"
+    yield printable(f"request {f.query}: producer {prods}; consumer {cons}")
     if not f.entries:
         return
     t0 = f.entries[0][1].event.t_ns
@@ -477,12 +492,12 @@ def _follow_text(f: Followed) -> Iterator[str]:
         applied = rec.outcome.name == "APPLIED"
         arrow = f"{rec.before} -> {rec.state}" if applied else f"{rec.state} ({rec.outcome.name.lower()})"
         key = machine_key(rec)
-        who = f"{rec.machine} {key if isinstance(key, str) else _key(key)}"
+        who = rec.machine if key is None else f"{rec.machine} {key if isinstance(key, str) else _key(key)}"
         note = ""
         if rec.fault is not None:
-            note = f"[{rec.fault.value} fault: {rec.reason}]"
+            note = f"[{rec.fault.value} fault: {printable(rec.reason)}]"
         elif rec.reason and not applied:
-            note = f"({rec.reason})"
+            note = f"({printable(rec.reason)})"
         tail = " ".join(x for x in (event_detail(rec.event), note) if x)
         yield (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {log:{width}s} #{rec.seq:<6d} {who:20s} "
                f"{type(rec.event).__name__:21s} {arrow:24s} {tail}").rstrip()
@@ -620,6 +635,10 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] = prin
                               brief=followed is not None):
             out(line)
         if at is not None and log.records:
+            if at < log.records[0].seq:
+                out(f"  (--at {at}: the log starts at seq {log.records[0].seq}; the machines' states before "
+                    "it are not in it)")
+                continue
             if at > log.records[-1].seq:
                 out(f"  (--at {at}: the log ends at seq {log.records[-1].seq})")
             for line in _machines_at(log, summary):
@@ -635,7 +654,7 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] = prin
 def write_output(path: str, text: str, command: str) -> bool:
     """Write a command's output file; on failure say why in one line (the caller exits 2)."""
     try:
-        Path(path).write_text(text)
+        Path(path).write_text(text, encoding="utf-8")  # the page says utf-8, whatever the locale
     except OSError as e:
         print(f"{command}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
         return False

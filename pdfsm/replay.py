@@ -169,7 +169,13 @@ def event_detail(ev: Any) -> str:
         if value is None or value == "":
             continue
         out.append(f"{name}={getattr(value, 'value', value)}")
-    return " ".join(out)
+    return printable(" ".join(out))
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped: a peer chooses some fields (a sender, an error),
+    and a newline or a terminal escape in them must not forge lines of a report."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass(frozen=True)
@@ -234,7 +240,7 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
         if rec.machine == "core":
             continue
         key = (rec.machine, machine_key(rec))
-        if rec.state != "NEW" or key in out.states:
+        if rec.state != _INITIAL.get(rec.machine) or key in out.states:  # an ignored first event makes none
             out.states[key] = rec.state
         if timelines:
             out.timelines.setdefault(key, []).append(Step(
@@ -258,7 +264,7 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int 
     for v in summary.violations[:limit]:
         outcome = "rejected" if v.outcome.name == "REJECTED" else "handled"
         yield (f"    seq {v.seq} [{v.fault.value if v.fault else '?'}] {v.machine} "
-               f"{machine_key(v)!r}: {type(v.event).__name__} {outcome}: {v.reason}")
+               f"{machine_key(v)!r}: {type(v.event).__name__} {outcome}: {printable(v.reason)}")
     if len(summary.violations) > limit:
         yield f"    ... {len(summary.violations) - limit} more"
     stuck = summary.stuck
@@ -357,12 +363,14 @@ def follow(logs: Sequence[tuple[str, Sequence[Record]]], request_id: str) -> Fol
     meaningful order across logs only when their clocks are comparable.
     """
     remote_of: dict[tuple[str, str], str] = {}
+    direct: set[tuple[str, str]] = set()  # where the query is a decode-local id
     for name, records in logs:
         for rec in records:
             if rec.machine == "consumer" and isinstance(rec.event, ReadRequested):
                 remote_of.setdefault((name, rec.event.request_id), rec.event.remote_request_id)
-    direct = [k for k in remote_of if k[1] == request_id]
-    wanted_p = {remote_of[k] for k in direct} if direct else {request_id}
+            if rec.machine == "consumer" and getattr(rec.event, "request_id", None) == request_id:
+                direct.add((name, request_id))  # its ReadRequested may be trimmed away (keep_segments)
+    wanted_p = {remote_of[k] for k in direct if k in remote_of} if direct else {request_id}
     wanted_c = set(direct) | {k for k, remote in remote_of.items() if remote in wanted_p}
     out = Followed(request_id, sorted(wanted_p), sorted(wanted_c))
     streams: list[list[tuple[str, Record]]] = []

@@ -349,6 +349,9 @@ def render_report(logs: Sequence[LoadedLog], *, rows: int = 200, title: str = "p
 
 def report_command(args: argparse.Namespace) -> int:
     """``pdfsm report``: the logs are replayed as for ``pdfsm replay``; its exit code, page written anyway."""
+    if args.rows < 0:
+        print("pdfsm report: --rows must be >= 0", file=sys.stderr)
+        return Exit.USAGE
     logs = load_all(args.logs)
     warn_unreadable(logs, "pdfsm report")
     for log in logs:

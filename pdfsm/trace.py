@@ -79,7 +79,7 @@ def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) ->
         still = v.end_t_ns is None and not v.terminal
         stop = v.start_t_ns if v.terminal else (end if v.end_t_ns is None else v.end_t_ns)
         body.append({"ph": "X", "name": v.state, "cat": v.machine, "ts": _us(v.start_t_ns),
-                     "dur": max(0.0, _us(stop) - _us(v.start_t_ns)), "pid": pid, "tid": tid,
+                     "dur": max(0, stop - v.start_t_ns) / 1000, "pid": pid, "tid": tid,
                      "args": {"key": _name(v.key), "from_seq": v.start_seq, "to_seq": v.end_seq,
                               "entered_by": v.entered_by, "left_by": v.left_by or None, "open": still}})
     for rec in records:
@@ -98,7 +98,9 @@ def chrome_trace(logs: Sequence[tuple[str, Sequence[Record]]], *, events: bool =
     out: list[dict[str, Any]] = []
     for pid, (name, records) in enumerate(logs, start=1):
         out += _process(pid, name, records, events=events)
-    out.sort(key=lambda e: e["ph"] != "M")  # stable: metadata first, the rest in the order made
+    # Metadata first, then each track in time order (a violation instant sits among its machine's
+    # slices); stable, so events at one time keep the order they were made in.
+    out.sort(key=lambda e: (0, 0, 0, 0.0) if e["ph"] == "M" else (1, e["pid"], e["tid"], e["ts"]))
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {"generator": "pdfsm trace", "schema": SCHEMA, "logs": [name for name, _ in logs]}}
 
