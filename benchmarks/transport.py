@@ -156,7 +156,8 @@ class Case:
         self.expected = kv(args.regions, self.blocks, bs, seed=bs)  # what the producer holds
         self.dst = [torch.zeros(self.blocks, bs, dtype=torch.uint8) for _ in range(args.regions)]
         self.transport = NixlTransport(f"bench-D-{bs}-{os.getpid()}-{next(_agents)}", self.dst,
-                                       num_threads=args.num_threads, backend_params=args.params)
+                                       num_threads=args.num_threads, backend_params=args.params,
+                                       progress_thread=not args.no_progress_thread)
         self.engine = f"P{bs}"
         net = SimNetwork()
         reply = HandshakeReply(engine_id=self.engine, compat_hash="", tp_size=1, ranks=(info,))
@@ -415,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-threads", type=int, default=0, help="UCX backend threads of the reading agent")
     ap.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a UCX backend parameter for both processes' agents (e.g. split_batch_size=1)")
+    ap.add_argument("--no-progress-thread", action="store_true",
+                    help="the reading agent without NIXL's progress thread (the owner's polls progress it)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]

@@ -24,7 +24,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, get_args
 
 import msgspec
 import structlog
@@ -42,7 +42,7 @@ from pdfsm.commands import (
 )
 from pdfsm.consumer import S as ConsumerStates
 from pdfsm.core import Core
-from pdfsm.errors import InvalidInput
+from pdfsm.errors import ConnectorClosed, InvalidInput
 from pdfsm.events import (
     CONSUMER,
     PRODUCER,
@@ -55,6 +55,7 @@ from pdfsm.events import (
     HandleFailure,
     HandshakeFailed,
     PeerAdded,
+    Policy,
     ReadRequested,
     SendFailed,
     Source,
@@ -62,8 +63,8 @@ from pdfsm.events import (
 )
 from pdfsm.log import EventLog
 from pdfsm.producer import S as ProducerStates
-from pdfsm.topology import ReadPlan, TopologyError
-from pdfsm.wire import MAX_ID_CHARS, HeartbeatMessage, Notification
+from pdfsm.topology import MAX_RANKS, ReadPlan, TopologyError
+from pdfsm.wire import MAX_EXTEND_NS, MAX_ID_CHARS, HeartbeatMessage, Notification
 from transports.base import Clock, Handshaker, Transport
 
 __all__ = ["Connector", "ConnectorMetadata", "KVTransferParams", "StepOutput"]
@@ -72,7 +73,9 @@ _log = structlog.get_logger("pdfsm.connector")
 
 
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-_Size = Annotated[int, msgspec.Meta(ge=1)]
+_Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]  # a read plan is built rank by rank
+MAX_DURATION_NS: Final = 1 << 62  # a lease or a timeout: now plus it stays in the log's 64 bits
+_Duration = Annotated[int, msgspec.Meta(ge=0, le=MAX_DURATION_NS)]
 _MAX_BLOCK_ID = (1 << 63) - 1  # what every codec and transport index can carry
 _BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0, le=_MAX_BLOCK_ID)], ...]
 
@@ -87,7 +90,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: _BlockIds = ()
     remote_tp_size: _Size = 1
     remote_pp_size: _Size = 1
-    lease_ns: Annotated[int, msgspec.Meta(ge=0)] = 0  # how long the producer holds the blocks (0: unknown)
+    lease_ns: _Duration = 0  # how long the producer holds the blocks (0: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -113,6 +116,9 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
     reqs_to_recv: dict[str, tuple[tuple[int, ...], KVTransferParams]] = {}
     reqs_to_send: dict[str, tuple[int, ...]] = {}
     aborted: tuple[str, ...] = ()
+    # When each request of reqs_to_recv got its params, on the workers' clock (CLOCK_MONOTONIC is
+    # one clock for every process of a host): ``load``'s ``lease_start_ns``; missing means now.
+    lease_starts: dict[str, int] = {}
 
 
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,10 +139,44 @@ def _check_id(field: str, value: object) -> str:
     return value
 
 
-def _check_int(field: str, value: object, *, low: int) -> int:
-    if type(value) is not int or value < low:
-        raise InvalidInput(field, f"must be an int of at least {low}, got {value!r}")
+def _check_int(field: str, value: object, *, low: int, high: int = MAX_DURATION_NS) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidInput(field, f"must be an int in {low}..{high}, got {value!r}")
     return value
+
+
+def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
+    """The config a core will run, checked now: a bad one would otherwise surface later, blamed on
+    a peer's params (a rank outside our own TP size), or be copied into every report (a policy)."""
+    if not isinstance(cfg, CoreConfig):
+        raise InvalidInput("config", f"must be a CoreConfig, got {type(cfg).__name__}")
+    _check_id("engine_id", cfg.engine_id)
+    _check_id("clock", cfg.clock)
+    if not isinstance(cfg.compat_hash, str):
+        raise InvalidInput("compat_hash", f"must be a string, got {cfg.compat_hash!r}")
+    for name in ("tp_size", "pp_size"):
+        _check_int(name, getattr(cfg, name), low=1, high=MAX_RANKS)
+    _check_int("tp_rank", cfg.tp_rank, low=0, high=cfg.tp_size - 1)
+    _check_int("pp_rank", cfg.pp_rank, low=0, high=cfg.pp_size - 1)
+    for name in ("block_size", "read_timeout_ns", "lease_ns"):
+        _check_int(name, getattr(cfg, name), low=1)
+    for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "tombstones", "tombstone_ns"):
+        _check_int(name, getattr(cfg, name), low=0)
+    for name in ("mla", "supports_pp", "strict"):
+        if type(getattr(cfg, name)) is not bool:
+            raise InvalidInput(name, f"must be a bool, got {getattr(cfg, name)!r}")
+    if cfg.policy not in get_args(Policy):
+        raise InvalidInput("policy", f"must be one of {get_args(Policy)}, got {cfg.policy!r}")
+    if cfg.pp_rank > 0 and not transport.capabilities.supports_pp:
+        raise InvalidInput("pp_rank", f"pp_rank {cfg.pp_rank} over the {transport.capabilities.name} transport, "
+                                      "which has no PP support")
+    info = transport.rank_info()
+    for name, mine, its in (("tp_rank", cfg.tp_rank, info.tp_rank), ("pp_rank", cfg.pp_rank, info.pp_rank)):
+        if mine != its:
+            raise InvalidInput(name, f"{mine}, but the transport serves {name} {its}")
+    if cfg.supports_pp and not transport.capabilities.supports_pp:
+        cfg = msgspec.structs.replace(cfg, supports_pp=False)
+    return cfg
 
 
 def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
@@ -173,8 +213,7 @@ class Connector:
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        if config.supports_pp and not transport.capabilities.supports_pp:
-            config = msgspec.structs.replace(config, supports_pp=False)
+        config = _check_config(config, transport)
         self.config = config
         self.host, self.port = host, port
         self.transport, self.handshaker = transport, handshaker
@@ -189,6 +228,11 @@ class Connector:
         # a second read of them could copy blocks the producer released after the first.
         self._loaded: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.last = StepOutput(step=0)
+        self._closed = False
+
+    def _open(self) -> None:
+        if self._closed:
+            raise ConnectorClosed("the Connector was shut down: nothing is accepted after shutdown()")
 
     # --- prefill side ---------------------------------------------------------------------------
 
@@ -202,6 +246,7 @@ class Connector:
         rank has read them, or once the lease expired. An id already held (or held and
         finished, while remembered) is refused: one hold per request.
         """
+        self._open()
         held = self._blocks_held(request_id, block_ids, lease_ns)
         self._submit(held)
         cfg = self.config
@@ -250,6 +295,7 @@ class Connector:
         Never the heartbeat's time with a shorter extension: the producer extends to its
         arrival plus ``extend_ns``, no further.
         """
+        self._open()
         self._submit(self._read_requested(request_id, local_block_ids, params, lease_start_ns))
 
     def _read_requested(self, request_id: str, local_block_ids: Sequence[int],
@@ -284,6 +330,7 @@ class Connector:
 
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""
+        self._open()
         rid = _check_id("request_id", request_id)
         self.core.submit(AbortRequested(source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid))
 
@@ -292,10 +339,11 @@ class Connector:
 
         Sent only to producer engines already connected; returns how many ranks were told.
         """
+        self._open()
         p = KVTransferParams.parse(params)
         _check_id("remote_request_id", p.remote_request_id)
         _check_id("remote_engine_id", p.remote_engine_id)
-        _check_int("extend_ns", extend_ns, low=1)
+        _check_int("extend_ns", extend_ns, low=1, high=MAX_EXTEND_NS)  # the wire's bound: more is refused there
         plan = self._check_layout(p)
         msg = HeartbeatMessage(p.remote_request_id, extend_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
@@ -314,7 +362,11 @@ class Connector:
 
         Every entry is checked before any is submitted: a bad one raises InvalidInput
         naming it, and the step is refused whole."""
-        for name, kinds in (("reqs_to_recv", Mapping), ("reqs_to_send", Mapping), ("aborted", (tuple, list))):
+        self._open()
+        if not isinstance(metadata, ConnectorMetadata):
+            raise InvalidInput("metadata", f"must be a ConnectorMetadata, got {type(metadata).__name__}")
+        for name, kinds in (("reqs_to_recv", Mapping), ("reqs_to_send", Mapping), ("aborted", (tuple, list)),
+                            ("lease_starts", Mapping)):
             value = getattr(metadata, name)
             if not isinstance(value, kinds):
                 raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
@@ -323,7 +375,10 @@ class Connector:
         for rid, entry in metadata.reqs_to_recv.items():
             if not isinstance(entry, tuple) or len(entry) != 2:
                 raise InvalidInput(f"reqs_to_recv[{rid!r}]", f"must be (local_block_ids, params), got {entry!r}")
-            events.append(self._read_requested(rid, entry[0], entry[1], None))
+            events.append(self._read_requested(rid, entry[0], entry[1], metadata.lease_starts.get(rid)))
+        if not set(metadata.lease_starts) <= set(metadata.reqs_to_recv):
+            stray = sorted(set(metadata.lease_starts) - set(metadata.reqs_to_recv), key=str)
+            raise InvalidInput("lease_starts", f"{stray!r} not in reqs_to_recv")
         events += [self._blocks_held(rid, blocks, None) for rid, blocks in metadata.reqs_to_send.items()]
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
         remote = [(ev.engine_id, ev.remote_request_id) for ev in events if isinstance(ev, ReadRequested)]
@@ -339,7 +394,7 @@ class Connector:
         try:
             return self.core.plan(p.remote_tp_size, p.remote_pp_size)
         except TopologyError as exc:
-            raise InvalidInput("remote_tp_size", str(exc)) from None
+            raise InvalidInput("remote_pp_size" if "PP" in str(exc) else "remote_tp_size", str(exc)) from None
 
     def _check_fresh(self, rid: str, target: int) -> None:
         """One request per id and side: refused while the id is live, queued for the core, or
@@ -371,6 +426,7 @@ class Connector:
 
         Owner thread only. Repeats while events keep arriving, at most ``rounds`` times.
         """
+        self._open()
         core = self.core
         for _ in range(rounds):
             core.pump()
@@ -394,6 +450,7 @@ class Connector:
         :meth:`get_block_ids_with_load_errors` has the failed ones' blocks for this
         same step, and :attr:`last` the details.
         """
+        self._open()
         self.step()
         self._step += 1
         if self.core.pending_hand_offs:  # a collect with nothing to hand back would only fill the log
@@ -430,7 +487,11 @@ class Connector:
         handshaking or reading are aborted (their reads cancelled, their blocks invalid unless
         every read completed). Returns that last report (also in :attr:`last`); nothing is
         reported after it, and the log is flushed and closed. Producer requests still held
-        are not reported: the scheduler frees their blocks as it stops."""
+        are not reported: the scheduler frees their blocks as it stops. Every later call
+        raises :class:`~pdfsm.errors.ConnectorClosed` but this one, which returns the same."""
+        if self._closed:
+            return self.last
+        self.step()  # requests loaded this step are applied first: they are aborted like the rest
         waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
         for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
             self.abort(rid)
@@ -438,6 +499,7 @@ class Connector:
         self.handshaker.close()
         self.transport.close()
         self.get_finished()
+        self._closed = True
         self.core.log.close()
         return self.last
 

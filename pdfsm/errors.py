@@ -9,6 +9,7 @@ from pdfsm.fsm import Fault
 __all__ = [
     "ClockDomainError",
     "CompatibilityMismatch",
+    "ConnectorClosed",
     "EngineIdMismatch",
     "HandshakeError",
     "InvalidInput",
@@ -62,6 +63,10 @@ class RemoteProtocolError(ProtocolError):
     """The peer did something illegal: a duplicate, late, forged or malformed message."""
 
     fault = Fault.REMOTE
+
+
+class ConnectorClosed(PdfsmError, RuntimeError):
+    """The Connector was shut down: nothing is accepted, and nothing reported, after ``shutdown()``."""
 
 
 class ClockDomainError(PdfsmError):

@@ -38,6 +38,7 @@ import structlog
 from pdfsm.commands import StartHandshake
 from pdfsm.errors import PdfsmError
 from pdfsm.events import HandshakeDone, HandshakeFailed, HandshakeReply, Source
+from pdfsm.topology import MAX_RANKS
 from pdfsm.wire import MAX_ID_CHARS, Codec, WireError
 from transports.base import Clock, Submit
 
@@ -56,7 +57,6 @@ FLAG_MAC: Final = 0x0001
 MAC_BYTES: Final = 32
 MAX_REQUEST_BYTES: Final = 4096  # a request is an id, two small ints and a nonce
 MAX_REPLY_BYTES: Final = 16 << 20  # default cap of a reply body; a receiver may set its own
-MAX_RANKS: Final = 1024  # TP ranks of one PP rank in a reply, and the bound of every rank number
 MAX_METADATA_BYTES: Final = 1 << 20  # one rank's transport metadata
 MAX_HASH_CHARS: Final = 1024
 MAX_MESSAGE_CHARS: Final = 1024

@@ -20,11 +20,12 @@ Terms, from the consumer's (decode side, D) point of view, with the producer
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import msgspec
 
 __all__ = [
+    "MAX_RANKS",
     "Layout",
     "ReadPlan",
     "ReadSource",
@@ -33,6 +34,11 @@ __all__ = [
     "read_plan",
     "tp_ratio",
 ]
+
+
+MAX_RANKS: Final = 1024
+"""The most TP (or PP) ranks of one engine, and the bound of every rank number: what the side
+channel carries, and what a router's params may name (a plan is built rank by rank)."""
 
 
 class TopologyError(ValueError):

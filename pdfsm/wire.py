@@ -19,6 +19,7 @@ import msgspec
 from pdfsm.events import BadMessage, Event, Heartbeat, NotificationReceived
 
 __all__ = [
+    "MAX_EXTEND_NS",
     "MAX_ID_CHARS",
     "MAX_NOTIFY_BYTES",
     "Codec",
@@ -32,6 +33,7 @@ __all__ = [
 
 MAX_ID_CHARS: Final = 256
 MAX_NOTIFY_BYTES: Final = 1024
+MAX_EXTEND_NS: Final = 3_600_000_000_000  # a heartbeat extends a lease by an hour at most
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
@@ -53,7 +55,7 @@ class HeartbeatMessage(msgspec.Struct, frozen=True, gc=False, tag="h", array_lik
     """A consumer still intends to read ``request_id``: extend its lease by ``extend_ns``."""
 
     request_id: RequestId
-    extend_ns: Annotated[int, msgspec.Meta(gt=0, le=3_600_000_000_000)]
+    extend_ns: Annotated[int, msgspec.Meta(gt=0, le=MAX_EXTEND_NS)]
 
 
 NotifyMessage = Notification | HeartbeatMessage

@@ -146,6 +146,8 @@ class SimTransport:
     ) -> None:
         if agent in network.agents:
             raise ValueError(f"agent {agent!r} already exists")
+        if pp_rank > 0 and not supports_pp:  # as the NIXL and torch transports refuse it
+            raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.network, self.agent = network, agent
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.num_blocks, self.block_bytes = num_blocks, block_bytes

@@ -197,6 +197,7 @@ class TorchTransport:
         self.layer_map = LayerMap(layers, len(self.regions))
         self.layers = self.layer_map.layers
         kinds = {"VRAM" if t.is_cuda else "DRAM" for t in self.tensors}
+        self.devices = {t.device for t in self.tensors if t.is_cuda}  # what a read must wait for
         self.capabilities = Capabilities(name="torch", supports_pp=supports_pp,
                                          memory_kinds=frozenset({"DRAM", *kinds}))
         self.peers: dict[EngineKey, dict[int, _Remote]] = {}
@@ -371,6 +372,11 @@ class TorchTransport:
                         return HandleFailure.DISCONNECTED, f"{read.peer} went away"
                     n = min(chunk, length - start)
                     dst[loff + start:loff + start + n].copy_(peer.flat[rk][roff + start:roff + start + n])
+        # A copy_ touching GPU memory only enqueues it: the read is done (and the producer told, so
+        # it may free the blocks) once the bytes are in place, so wait for every device involved.
+        peer = self.network.reachable(read.peer)
+        for device in self.devices | (peer.devices if peer is not None else set()):
+            torch.cuda.synchronize(device)
         return None, ""
 
     # --- notifications --------------------------------------------------------------------------
