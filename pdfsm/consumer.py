@@ -37,12 +37,14 @@ from pdfsm.events import (
     DeadlinePassed,
     EngineFailed,
     EngineReady,
+    EvictRequested,
     HandleDone,
     HandleFailed,
     HandshakeReply,
     Quarantined,
     ReadRequested,
     Reported,
+    Source,
 )
 from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
 from pdfsm.topology import ReadPlan, TopologyError
@@ -76,7 +78,7 @@ class ConsumerRequest:
     rest is what changes, and only the owner thread, through the table, changes it."""
 
     __slots__ = ("deadline", "done", "engines", "error", "outcome", "pending", "plan",
-                 "remote_fault", "req", "request_id", "state", "waited", "waiting")
+                 "remote_fault", "req", "request_id", "state", "trust", "waited", "waiting")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -89,6 +91,7 @@ class ConsumerRequest:
         self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
         self.done = 0  # bit i: the read from plan.sources[i] completed
         self.deadline = 0  # 0: no deadline armed
+        self.trust = 0  # reads completing at or after it are not trusted (0: not known yet)
         self.error = ""  # the first failure, in words
         self.remote_fault = False
         self.outcome = ""
@@ -109,14 +112,20 @@ class ConsumerRequest:
 
 
 def deadline_of(ev: ReadRequested, core: Core) -> int:
-    """The request's deadline: its read timeout, or earlier, a margin before the producer's lease
-    ends, so no read completing after the producer may have reused the blocks is trusted."""
-    cfg = core.config
-    d = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + cfg.read_timeout_ns
-    if ev.lease_ns:
-        start = ev.t_ns if ev.lease_start_ns is None else ev.lease_start_ns
-        d = min(d, start + ev.lease_ns - cfg.lease_margin_ns)
-    return d
+    """The request's deadline: its read timeout, or earlier, when reads stop being trusted."""
+    d = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.read_timeout_ns
+    return min(d, trust_of(ev, core)) if ev.lease_ns else d
+
+
+def trust_of(ev: ReadRequested, core: Core) -> int:
+    """Until when a completed read is trusted: a margin before the producer's lease can end (after
+    it the producer may have reused the blocks). The read timeout is liveness, not safety: a read
+    seen complete after it but well inside the lease holds the right bytes. With the lease not
+    known, the read timeout is the only bound there is."""
+    if not ev.lease_ns:
+        return ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.read_timeout_ns
+    start = ev.t_ns if ev.lease_start_ns is None else ev.lease_start_ns
+    return start + ev.lease_ns - core.config.lease_margin_ns
 
 
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -187,9 +196,14 @@ def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     return bool(ev.local_blocks) and deadline_of(ev, core) <= ev.t_ns
 
 
-def _past_deadline(m: ConsumerRequest, ev: EngineReady | HandleDone, core: Core) -> bool:
-    """Too late to trust a read: it could complete after the producer reused the blocks."""
+def _past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    """Too late to start reading."""
     return bool(m.deadline) and ev.t_ns >= m.deadline
+
+
+def _untrusted(m: ConsumerRequest, ev: HandleDone, core: Core) -> bool:
+    """Too late to trust a read: it could have completed after the producer reused the blocks."""
+    return bool(m.trust) and ev.t_ns >= m.trust
 
 
 def _disagrees(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -242,11 +256,11 @@ def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
 def _last_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
     """The common case: the event completes the only read still in flight, in time."""
     i = m.plan.position.get((ev.pp_rank, ev.tp_rank)) if m.plan is not None else None
-    return i is not None and m.pending == 1 << i and (not m.deadline or ev.t_ns < m.deadline)
+    return i is not None and m.pending == 1 << i and (not m.trust or ev.t_ns < m.trust)
 
 
-def _past_deadline_with_siblings(m: ConsumerRequest, ev: HandleDone, core: Core) -> bool:
-    return _past_deadline(m, ev, core) and _siblings_in_flight(m, ev, core)
+def _untrusted_with_siblings(m: ConsumerRequest, ev: HandleDone, core: Core) -> bool:
+    return _untrusted(m, ev, core) and _siblings_in_flight(m, ev, core)
 
 
 def _not_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
@@ -270,6 +284,7 @@ def _accept(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 def _arm_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     m.deadline = deadline_of(ev, core)
+    m.trust = trust_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
 
 
@@ -326,6 +341,7 @@ def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     m.req = ev
     m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
     m.deadline = deadline_of(ev, core)
+    m.trust = trust_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
     _post_reads(m, core)
 
@@ -427,7 +443,16 @@ def _refuse_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> Non
 
 
 def _refuse_contradiction(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    """The params contradict a connected engine's handshake reply. Either may be the stale one: a
+    producer restarted under the same engine id with another layout hands out params its old reply
+    contradicts, and no read to the old agent would ever say so (smg 2382). So each engine that
+    contradicts is also asked to be evicted (it is, unless a read still holds it): the next
+    request handshakes afresh instead of being refused for ever."""
     _refuse(m, ev, core, disagreement(ev, core) or "", True)
+    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
+        e = core.engines.get((ev.engine_id, pp))
+        if e is not None and e.state is CONNECTED and e.reply is not None and _contradiction(e.reply, ev, pp):
+            core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=ev.engine_id, pp_rank=pp))
 
 
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -506,10 +531,11 @@ def _failed_cancel_rest(m: ConsumerRequest, ev: HandleFailed, core: Core) -> Non
 
 
 def _late_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
-    """A read completed after the deadline: it may have copied reused blocks. Not trusted (an
+    """A read completed too late to be trusted: it may have copied reused blocks. Not trusted (an
     aborting request reports them invalid; its siblings were cancelled with the abort)."""
     _stopped(m, ev)
-    _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline", True)
+    bound = "the producer's lease less the margin" if m.req and m.req.lease_ns else "the read timeout: no lease known"
+    _fail(m, f"read from rank ({ev.pp_rank}, {ev.tp_rank}) completed after the deadline to trust it ({bound})", True)
 
 
 def _late(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
@@ -707,8 +733,8 @@ TABLE: Final[Table] = Table(
             HandleDone,
             Go(S.NOTIFIED, _read_done, when=_last_in_flight),
             _not_in_flight_illegal,
-            Go(S.FAILING, _late, when=_past_deadline_with_siblings),
-            Go(S.FAILED, _late_last, when=_past_deadline),
+            Go(S.FAILING, _late, when=_untrusted_with_siblings),
+            Go(S.FAILED, _late_last, when=_untrusted),
             Go(S.READING, _sibling_stopped),
         ),
         on(
@@ -732,8 +758,8 @@ TABLE: Final[Table] = Table(
             S.ABORTING,
             HandleDone,
             _not_in_flight_illegal,
-            Go(S.ABORTING, _late_stopped, when=_past_deadline_with_siblings),
-            Go(S.ABORTED, _late_last, when=_past_deadline),
+            Go(S.ABORTING, _late_stopped, when=_untrusted_with_siblings),
+            Go(S.ABORTED, _late_last, when=_untrusted),
             *_join(S.ABORTING, S.ABORTED),
         ),
         on(S.ABORTING, HandleFailed, _not_in_flight_illegal, *_join(S.ABORTING, S.ABORTED)),

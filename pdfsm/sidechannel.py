@@ -109,10 +109,14 @@ class ReplyMessage(msgspec.Struct, frozen=True, kw_only=True, tag="reply"):
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
-    """The listener refused the request; ``code`` is one of :class:`ErrorCode` (or a newer one)."""
+    """The listener refused the request; ``code`` is one of :class:`ErrorCode` (or a newer one).
+    ``nonce`` and ``pp_rank`` echo the request's when it could be read (a refusal of a request
+    it read, like ``no-such-rank``, answers that request only); None when it could not be."""
 
     code: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_CHARS)] = ""
+    nonce: Nonce | None = None
+    pp_rank: Rank | None = None
 
 
 Response = ReplyMessage | ErrorReply
@@ -136,7 +140,7 @@ def check_reply(reply: HandshakeReply) -> None:
     rows = [("len(engine_id)", len(reply.engine_id), MAX_ID_CHARS),
             ("len(compat_hash)", len(reply.compat_hash), MAX_HASH_CHARS),
             ("tp_size", reply.tp_size, MAX_RANKS), ("pp_size", reply.pp_size, MAX_RANKS),
-            ("block_size", reply.block_size, 1 << 31), ("num_blocks", reply.num_blocks, 1 << 48),
+            ("block_size", reply.block_size, (1 << 31) - 1), ("num_blocks", reply.num_blocks, 1 << 48),
             ("len(ranks)", len(reply.ranks), MAX_RANKS)]
     for i, r in enumerate(reply.ranks[:MAX_RANKS]):
         rows += [(f"ranks[{i}].pp_rank", r.pp_rank, MAX_RANKS - 1), (f"ranks[{i}].tp_rank", r.tp_rank, MAX_RANKS - 1),
@@ -150,21 +154,42 @@ def check_reply(reply: HandshakeReply) -> None:
 # --- framing -----------------------------------------------------------------------------------
 
 
-def _check_secret(secret: bytes | None) -> bytes | None:
-    if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES):
+class _Secret:
+    """The shared HMAC key, held so that it never shows: a traceback printed with its frames'
+    locals (rich's, better-exceptions') or a debugger shows this object's repr, never the key."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def __repr__(self) -> str:
+        return "<secret>"
+
+    def mac(self, kind: Kind, header: bytes | bytearray, body: bytes | bytearray) -> bytes:
+        return hmac.new(self._key, b"".join((_LABELS[kind], header, body)), hashlib.sha256).digest()
+
+
+def _check_secret(secret: bytes | _Secret | None) -> _Secret | None:
+    if secret is None or isinstance(secret, _Secret):
+        return secret
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"secret must be bytes of at least {MIN_SECRET_BYTES} bytes (or None for no HMAC)")
-    return secret
+    return _Secret(secret)
 
 
-def _mac(secret: bytes, kind: Kind, header: bytes | bytearray, body: bytes | bytearray) -> bytes:
-    return hmac.new(secret, b"".join((_LABELS[kind], header, body)), hashlib.sha256).digest()
+def _check_timeouts(**timeouts: float) -> None:
+    for name, value in timeouts.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
 
 
-def pack_frame(body: bytes, *, secret: bytes | None, kind: Kind) -> bytes:
+def pack_frame(body: bytes, *, secret: bytes | _Secret | None, kind: Kind) -> bytes:
     """A complete frame for ``body``, with a MAC when ``secret`` is given."""
-    flags = FLAG_MAC if secret is not None else 0
+    key = _check_secret(secret)
+    flags = FLAG_MAC if key is not None else 0
     header = HEADER.pack(MAGIC, flags, 0, len(body))
-    return header + body + (_mac(secret, kind, header, body) if secret is not None else b"")
+    return header + body + (key.mac(kind, header, body) if key is not None else b"")
 
 
 def _parse_header(header: bytes | bytearray, cap: int) -> tuple[int, int]:
@@ -179,7 +204,7 @@ def _parse_header(header: bytes | bytearray, cap: int) -> tuple[int, int]:
     return flags, length
 
 
-def _verify(secret: bytes | None, kind: Kind, flags: int, *, header: bytes | bytearray,
+def _verify(secret: _Secret | None, kind: Kind, flags: int, *, header: bytes | bytearray,
             body: bytes | bytearray, mac: bytes | bytearray) -> None:
     """Fail closed: a MAC is required exactly when a secret is configured, and must verify."""
     problem = ""
@@ -187,14 +212,14 @@ def _verify(secret: bytes | None, kind: Kind, flags: int, *, header: bytes | byt
         problem = "carries a MAC but no secret is configured here" if flags & FLAG_MAC else ""
     elif not flags & FLAG_MAC:
         problem = "carries no MAC but a secret is configured here"
-    elif not hmac.compare_digest(_mac(secret, kind, header, body), bytes(mac)):
+    elif not hmac.compare_digest(secret.mac(kind, header, body), bytes(mac)):
         problem = "has a MAC that does not verify (a wrong secret or a tampered message)"
     if problem:
         raise _FrameError(ErrorCode.UNAUTHENTICATED,
                           f"the {kind} {problem}: the same secret must be configured on both sides")
 
 
-def unpack_frame(data: bytes, *, secret: bytes | None, kind: Kind, cap: int) -> bytes:
+def unpack_frame(data: bytes, *, secret: bytes | _Secret | None, kind: Kind, cap: int) -> bytes:
     """The verified body of one complete frame held in ``data`` (tests and tools)."""
     if len(data) < HEADER.size:
         raise WireError(f"truncated header: {len(data)} of {HEADER.size} bytes")
@@ -203,7 +228,7 @@ def unpack_frame(data: bytes, *, secret: bytes | None, kind: Kind, cap: int) -> 
     if len(data) != end:
         raise WireError(f"frame of {len(data)} bytes, expected {end}")
     body = data[HEADER.size:HEADER.size + length]
-    _verify(secret, kind, flags, header=data[:HEADER.size], body=body, mac=data[HEADER.size + length:])
+    _verify(_check_secret(secret), kind, flags, header=data[:HEADER.size], body=body, mac=data[HEADER.size + length:])
     return body
 
 
@@ -219,9 +244,10 @@ class _FrameError(WireError):
     """A frame or request refused; ``code`` is the :class:`ErrorCode` to answer, ``cause`` (our own
     side's failure) is logged with its traceback."""
 
-    def __init__(self, code: str, message: str, cause: BaseException | None = None) -> None:
+    def __init__(self, code: str, message: str, cause: BaseException | None = None,
+                 request: HandshakeRequest | None = None) -> None:
         super().__init__(message)
-        self.code, self.cause = code, cause
+        self.code, self.cause, self.request = code, cause, request  # the request, when it was read
 
 
 class _PeerClosed(Exception):
@@ -277,7 +303,7 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float, stop: socket.so
             _wait(sock, select.POLLOUT, deadline, stop)
 
 
-def _read_frame(sock: socket.socket, *, cap: int, secret: bytes | None, kind: Kind, deadline: float,
+def _read_frame(sock: socket.socket, *, cap: int, secret: _Secret | None, kind: Kind, deadline: float,
                 stop: socket.socket | None) -> bytearray:
     """One frame's verified body: header, cap check, then body and MAC."""
     try:
@@ -310,12 +336,15 @@ class SideChannelServer:
                  max_reply_bytes: int = MAX_REPLY_BYTES, backlog: int = 64) -> None:
         if not host:
             raise ValueError("host must name one interface (e.g. '127.0.0.1'); '' would bind every interface")
-        if io_timeout <= 0 or max_connections < 1:
-            raise ValueError("io_timeout and max_connections must be positive")
+        _check_timeouts(io_timeout=io_timeout)
+        if max_connections < 1:
+            raise ValueError("max_connections must be positive")
         self.reply_for = reply_for
         self.secret = _check_secret(secret)
         self.io_timeout = io_timeout
         self.max_reply_bytes = max_reply_bytes
+        self._reply_codec: Codec[Response] = response_codec if max_reply_bytes == MAX_REPLY_BYTES else Codec(
+            "side-channel reply", Response, max_reply_bytes)  # type: ignore[arg-type]
         self.refused: Counter[str] = Counter()  # by ErrorCode, plus "empty" and "connection-error"
         self.served = self.crashes = 0
         self._lock = threading.Lock()
@@ -427,7 +456,7 @@ class SideChannelServer:
             _log.debug("side channel served", peer=peer, requester=request.engine_id, pp_rank=request.pp_rank)
             _finish(conn, self._wake_r)
         except _FrameError as exc:
-            self._refuse(conn, peer, exc.code, str(exc), cause=exc.cause)
+            self._refuse(conn, peer, exc.code, str(exc), cause=exc.cause, request=exc.request)
         except _PeerClosed:  # closed before sending a byte (a health check): counted, not logged
             with self._lock:
                 self.refused["empty"] += 1
@@ -473,23 +502,23 @@ class SideChannelServer:
         try:
             reply = self.reply_for(request.pp_rank)
         except LookupError as exc:
-            raise _FrameError(ErrorCode.NO_SUCH_RANK, f"no metadata for pp_rank {request.pp_rank}: {exc}") from None
+            raise _FrameError(ErrorCode.NO_SUCH_RANK, f"no metadata for pp_rank {request.pp_rank}: {exc}",
+                              request=request) from None
         except Exception as exc:  # noqa: BLE001 - the caller's code: logged in full, named to the peer
-            raise _FrameError(ErrorCode.INTERNAL, f"reply_for raised {type(exc).__name__}", exc) from None
+            raise _FrameError(ErrorCode.INTERNAL, f"reply_for raised {type(exc).__name__}", exc, request) from None
         try:
             if not isinstance(reply, HandshakeReply):
                 raise WireError(f"reply_for returned {type(reply).__name__}, not a HandshakeReply")
             check_reply(reply)
-            out = response_codec.encode(ReplyMessage(version=PROTOCOL_VERSION, pp_rank=request.pp_rank,
-                                                     nonce=request.nonce, reply=reply))
-            if len(out) > self.max_reply_bytes:
-                raise WireError(f"reply of {len(out)} bytes exceeds the cap of {self.max_reply_bytes}")
+            out = self._reply_codec.encode(ReplyMessage(version=PROTOCOL_VERSION, pp_rank=request.pp_rank,
+                                                        nonce=request.nonce, reply=reply))
         except WireError as exc:
-            raise _FrameError(ErrorCode.INTERNAL, f"cannot send the reply: {exc}", exc) from None
+            raise _FrameError(ErrorCode.INTERNAL, f"cannot send the reply: {exc}", exc, request) from None
         return request, out
 
     def _refuse(self, conn: socket.socket, peer: str, code: str, message: str, *,
-                cause: BaseException | None = None, busy: bool = False) -> None:
+                cause: BaseException | None = None, busy: bool = False,
+                request: HandshakeRequest | None = None) -> None:
         """Count and log the refusal once, then send an ErrorReply if the peer can still take one.
 
         ``busy`` refusals run on the accept thread: a short write window and almost no drain."""
@@ -497,7 +526,9 @@ class SideChannelServer:
             self.refused[code] += 1
         log = _log.error if code == ErrorCode.INTERNAL else _log.warning
         log("side channel refused a request", peer=peer, code=code, error=message, exc_info=cause)
-        body = response_codec.encode(ErrorReply(code=code, message=message[:MAX_MESSAGE_CHARS]))
+        body = response_codec.encode(ErrorReply(code=code, message=message[:MAX_MESSAGE_CHARS],
+                                                nonce=request.nonce if request else None,
+                                                pp_rank=request.pp_rank if request else None))
         try:
             _send_all(conn, pack_frame(body, secret=self.secret, kind="reply"),
                       time.monotonic() + min(0.2 if busy else 1.0, self.io_timeout), self._wake_r)
@@ -527,7 +558,7 @@ def _finish(conn: socket.socket, stop: socket.socket | None, linger: float = 0.2
 # --- the client ----------------------------------------------------------------------------------
 
 
-def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: bytes | None = None,
+def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: bytes | _Secret | None = None,
                 connect_timeout: float = 2.0, timeout: float = 5.0, max_reply_bytes: int = MAX_REPLY_BYTES,
                 nonce: bytes | None = None, stop: socket.socket | None = None) -> HandshakeReply:
     """Ask ``host:port`` for the handshake reply of ``pp_rank``; raise :class:`SideChannelError`.
@@ -535,7 +566,9 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
     ``engine_id`` is the requesting (local) engine. ``timeout`` bounds the whole exchange,
     ``connect_timeout`` the connection. The reply's engine id and compatibility hash are
     not checked here: that is the engine machine's job."""
-    secret, where = _check_secret(secret), f"side channel {host}:{port}"
+    key, where = _check_secret(secret), f"side channel {host}:{port}"
+    del secret  # only the key object from here on: a traceback's locals must not show the key
+    _check_timeouts(connect_timeout=connect_timeout, timeout=timeout)
     start = time.monotonic()
     deadline = start + timeout
     nonce = nonce if nonce is not None else secrets.token_bytes(16)
@@ -547,7 +580,10 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
     sock: socket.socket | None = None
     phase = "connect"
     try:
-        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except (UnicodeError, OverflowError, ValueError) as exc:  # a host no resolver takes, a port out of range
+            raise SideChannelError("invalid", f"{where}: cannot resolve: {exc}") from None
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         err = sock.connect_ex(addr)
@@ -558,9 +594,9 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
             raise OSError(err, os.strerror(err))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         phase = "exchange"
-        _send_all(sock, pack_frame(body, secret=secret, kind="request"), deadline, stop)
+        _send_all(sock, pack_frame(body, secret=key, kind="request"), deadline, stop)
         try:
-            raw = _read_frame(sock, cap=max_reply_bytes, secret=secret, kind="reply", deadline=deadline, stop=stop)
+            raw = _read_frame(sock, cap=max_reply_bytes, secret=key, kind="reply", deadline=deadline, stop=stop)
         except _FrameError as exc:
             if exc.code == ErrorCode.UNAUTHENTICATED:
                 raise SideChannelError(exc.code, f"{where}: unauthenticated reply: {exc}") from None
@@ -589,6 +625,9 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
         if sock is not None:
             sock.close()
     if isinstance(message, ErrorReply):
+        if message.nonce is not None and (not hmac.compare_digest(message.nonce, nonce) or message.pp_rank != pp_rank):
+            raise SideChannelError("replayed", f"{where}: a refusal of another request (nonce or pp_rank mismatch): "
+                                               "replayed or misrouted")
         raise SideChannelError("remote", f"{where} refused the handshake: {message.code}: {message.message}")
     for bad, kind, what in (
         (message.version != PROTOCOL_VERSION, "malformed",
@@ -617,8 +656,7 @@ class SideChannelHandshaker:
                  timeout: float = 5.0, max_workers: int = 4, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
         if not 1 <= len(local_engine_id) <= MAX_ID_CHARS:
             raise ValueError(f"local_engine_id must have 1..{MAX_ID_CHARS} characters")
-        if connect_timeout <= 0 or timeout <= 0:
-            raise ValueError("timeouts must be positive")
+        _check_timeouts(connect_timeout=connect_timeout, timeout=timeout)
         self.local_engine_id = local_engine_id
         self.secret = _check_secret(secret)
         self.connect_timeout, self.timeout = connect_timeout, timeout

@@ -87,6 +87,8 @@ class Codec(Generic[T]):
             return self._decoder.decode(raw)
         except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
             raise WireError(f"{self.name}: {exc}") from None
+        except RecursionError:  # skipping an unknown value nested ~1000 deep: still a small message
+            raise WireError(f"{self.name}: nested too deeply") from None
 
 
 notify_codec: Final[Codec[NotifyMessage]] = Codec("notification", NotifyMessage, MAX_NOTIFY_BYTES)  # type: ignore[arg-type]

@@ -194,8 +194,8 @@ def decode_rank_metadata(raw: bytes) -> NixlRankMetadata:
         raise TransportError(f"rank metadata of {len(raw)} bytes exceeds the cap of {MAX_METADATA_BYTES}")
     try:
         decoded = _meta_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise TransportError(f"bad rank metadata: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:  # a value nested too deeply to skip
+        raise TransportError(f"bad rank metadata: {exc or 'nested too deeply'}") from None
     given = [r.layer for r in decoded.regions if r.layer is not None]
     if given and isinstance(decoded, NixlRankMetadataV1):
         raise TransportError('bad rank metadata: "nixl/1" regions carry no layer id')

@@ -242,8 +242,8 @@ class TorchTransport:
                 raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
             try:
                 meta = decode_torch_metadata(info.metadata)
-            except msgspec.DecodeError as exc:
-                raise TransportError(f"bad rank metadata from {info.agent!r}: {exc}") from None
+            except (msgspec.DecodeError, RecursionError) as exc:  # a value nested too deeply to skip
+                raise TransportError(f"bad rank metadata from {info.agent!r}: {exc or 'nested too deeply'}") from None
             layers = tuple(x for _, _, x in meta.regions)
             check_layers(layers, len(layers), where=f"rank metadata of {info.agent!r}")
             if list(meta.regions) != [(r.stride, r.num_blocks, x) for r, x in zip(peer.regions, peer.layers,

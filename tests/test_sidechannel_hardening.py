@@ -1,0 +1,306 @@
+"""The handshake side channel, the notification codec and handshake metadata decoding, found by
+review. Each test states the behaviour the requirements (reliability.md, docs/side-channel.md) ask
+for, and failed before its fix (but the control, which checks the frames the others build)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import structlog
+
+from pdfsm.connector import Connector
+from pdfsm.events import BadMessage, CoreConfig, HandshakeReply, NotificationReceived, RankInfo
+from pdfsm.sidechannel import (
+    FLAG_MAC,
+    HEADER,
+    MAC_BYTES,
+    ErrorCode,
+    ErrorReply,
+    HandshakeRequest,
+    ReplyMessage,
+    SideChannelError,
+    SideChannelServer,
+    check_reply,
+    fetch_reply,
+    pack_frame,
+    request_codec,
+    response_codec,
+    unpack_frame,
+)
+from pdfsm.wire import MAX_NOTIFY_BYTES, Notification, WireError, notification_event, notify_codec
+from transports.sim import SimHandshaker, SimNetwork, SimTransport
+
+SECRET = b"pdfsm-review11-secret-0123456789"
+NONCE_A, NONCE_B = b"A" * 16, b"B" * 16
+
+
+def reply_for(pp_rank: int) -> HandshakeReply:
+    if pp_rank >= 2:
+        raise LookupError(f"pp_rank {pp_rank} is not served here")
+    return HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, pp_size=2, num_blocks=8,
+                          ranks=(RankInfo(pp_rank=pp_rank, tp_rank=0, agent=f"P-{pp_rank}-0"),))
+
+
+def nested(prefix_map: dict[str, object], depth: int) -> bytes:
+    """A msgpack map holding ``prefix_map`` plus one unknown key whose value is ``depth`` nested
+    one-element arrays: schema-valid apart from an unknown field, which msgspec skips."""
+    body = b"".join(msgspec.msgpack.encode(k) + msgspec.msgpack.encode(v) for k, v in prefix_map.items())
+    n = len(prefix_map) + 1
+    assert n < 16
+    return bytes([0x80 | n]) + body + msgspec.msgpack.encode("zz") + b"\x91" * depth + b"\xc0"
+
+
+def deep_notification() -> bytes:
+    """A valid Notification (array-like: trailing elements are skipped) plus one trailing element
+    nested as deep as the 1 KiB cap allows."""
+    base = notify_codec.encode(Notification("p1", 0, 1))
+    assert base[0] == 0x94  # fixarray of 4: tag, request id, part, of
+    raw = bytes([0x95]) + base[1:]
+    raw += b"\x91" * (MAX_NOTIFY_BYTES - len(raw) - 1) + b"\xc0"
+    assert len(raw) == MAX_NOTIFY_BYTES
+    return raw
+
+
+def exchange(port: int, data: bytes, timeout: float = 3.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+        return out
+
+
+class FakeServer:
+    """Answers each connection with ``respond(request frame)``."""
+
+    def __init__(self, respond: Callable[[bytes], bytes]) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.respond = respond
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                header = conn.recv(HEADER.size, socket.MSG_WAITALL)
+                _, flags, _, length = HEADER.unpack(header)
+                rest = conn.recv(length + (MAC_BYTES if flags & FLAG_MAC else 0), socket.MSG_WAITALL)
+                conn.sendall(self.respond(header + rest))
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+@pytest.fixture
+def server() -> Iterator[SideChannelServer]:
+    with SideChannelServer(reply_for, io_timeout=2.0) as s:
+        yield s
+
+
+# --- 1. deeply nested msgpack escapes the codecs as RecursionError --------------------------------
+
+
+def test_deeply_nested_notification_is_a_bad_message_not_an_exception() -> None:
+    """A notification of at most MAX_NOTIFY_BYTES whose (skipped) trailing element is nested ~1000
+    deep must become a BadMessage (a recorded remote fault, invariant 8), like any other bytes that
+    do not decode. msgspec raises RecursionError for it, which Codec.decode does not catch."""
+    raw = deep_notification()
+    out = notification_event(raw, sender="X0", source="notify", t_ns=0)
+    assert isinstance(out, BadMessage) and out.size == len(raw)
+
+
+def test_a_forged_nested_notification_does_not_raise_out_of_the_connector() -> None:
+    """One forged notification from a peer must never raise out of the scheduler-facing API
+    (get_finished): it is recorded as a remote fault and the engine goes on."""
+    net = SimNetwork()
+    prefill = SimTransport(net, "P0")
+    SimTransport(net, "X0")
+    conn = Connector(CoreConfig(engine_id="P", compat_hash="h"), prefill, SimHandshaker(net))
+    try:
+        net.deliver("X0", "P0", deep_notification())
+        with structlog.testing.capture_logs():
+            assert conn.get_finished() == (set(), set())
+    finally:
+        conn.shutdown()
+
+
+def test_deeply_nested_request_gets_a_malformed_error_reply(server: SideChannelServer) -> None:
+    """A request frame under MAX_REQUEST_BYTES with a deeply nested unknown field is malformed: the
+    listener must answer ErrorReply(code="malformed") and count it as a refusal, not as a crash of
+    its handler thread (which closes the connection without any reply)."""
+    body = nested({"type": "handshake", "version": 1, "engine_id": "D", "pp_rank": 0, "nonce": NONCE_A}, 3000)
+    with structlog.testing.capture_logs():
+        raw = exchange(server.port, pack_frame(body, secret=None, kind="request"))
+    assert raw, "the listener closed the connection without an error reply"
+    got = response_codec.decode(unpack_frame(raw, secret=None, kind="reply", cap=1 << 20))
+    assert isinstance(got, ErrorReply) and got.code == ErrorCode.MALFORMED
+    assert server.stats()["crashes"] == 0
+
+
+def test_deeply_nested_reply_is_a_side_channel_error() -> None:
+    """fetch_reply promises SideChannelError for any bad reply; a reply with a deeply nested unknown
+    field must be refused as kind "malformed", not escape as a RecursionError."""
+    def respond(frame: bytes) -> bytes:
+        req = request_codec.decode(unpack_frame(frame, secret=None, kind="request", cap=4096))
+        body = nested({"type": "reply", "version": 1, "pp_rank": 0, "nonce": req.nonce,
+                       "reply": msgspec.msgpack.decode(msgspec.msgpack.encode(reply_for(0)))}, 5000)
+        return pack_frame(body, secret=None, kind="reply")
+
+    fake = FakeServer(respond)
+    try:
+        with pytest.raises(SideChannelError) as info:
+            fetch_reply("127.0.0.1", fake.port, engine_id="D", pp_rank=0, timeout=3.0)
+        assert info.value.kind == "malformed"
+    finally:
+        fake.close()
+
+
+def test_nixl_deeply_nested_rank_metadata_is_a_transport_error() -> None:
+    """decode_rank_metadata documents TransportError for whatever is wrong with a peer's blob; a
+    deeply nested unknown field (well under the 1 MiB cap) escapes as RecursionError instead."""
+    from transports.base import TransportError
+    from transports.nixl import NixlRankMetadata, RegionInfo, decode_rank_metadata
+
+    good = msgspec.msgpack.encode(NixlRankMetadata(b"agent", (RegionInfo(4096, 64, 10, 0, "DRAM", 0),)))
+    assert good[0] == 0x83
+    raw = bytes([0x84]) + good[1:] + msgspec.msgpack.encode("zz") + b"\x91" * 5000 + b"\xc0"
+    with pytest.raises(TransportError):
+        decode_rank_metadata(raw)
+
+
+# --- 2. the listener's reply cap --------------------------------------------------------------------
+
+
+def test_listener_honours_a_reply_cap_above_the_default() -> None:
+    """max_reply_bytes is configurable on both sides ("a receiver may set its own"): with 64 MiB
+    on the listener and the client, a 20 MiB reply (20 ranks of 1 MiB metadata, within
+    check_reply's bounds) must be served. The listener encodes with response_codec, whose cap is
+    fixed at MAX_REPLY_BYTES (16 MiB), so it answers internal instead."""
+    def big(pp: int) -> HandshakeReply:
+        return HandshakeReply(engine_id="P", compat_hash="h", tp_size=20, ranks=tuple(
+            RankInfo(pp_rank=pp, tp_rank=t, agent=f"a{t}", metadata=b"x" * (1 << 20)) for t in range(20)))
+
+    with structlog.testing.capture_logs(), SideChannelServer(big, max_reply_bytes=64 << 20) as s:
+        got = fetch_reply("127.0.0.1", s.port, engine_id="D", pp_rank=0, max_reply_bytes=64 << 20)
+    assert len(got.ranks) == 20
+
+
+# --- 3. an authentic error reply answers any request -------------------------------------------------
+
+
+def test_a_recorded_error_reply_is_not_accepted_for_another_request() -> None:
+    """The nonce binds a reply to its request so that a recorded authentic reply cannot answer a
+    later one ("a reply cannot answer another request"). An ErrorReply carries no nonce: a
+    recorded, MAC'd refusal (here no-such-rank for pp_rank 5, nonce A) replayed to a later request
+    (pp_rank 0, nonce B) is accepted, and the failure is attributed to the remote engine's refusal.
+    It must be refused as replayed, like a ReplyMessage with another nonce."""
+    with structlog.testing.capture_logs(), SideChannelServer(reply_for, secret=SECRET) as s:
+        body = request_codec.encode(HandshakeRequest(version=1, engine_id="D", pp_rank=5, nonce=NONCE_A))
+        recorded = exchange(s.port, pack_frame(body, secret=SECRET, kind="request"))
+    first = response_codec.decode(unpack_frame(recorded, secret=SECRET, kind="reply", cap=1 << 20))
+    assert isinstance(first, ErrorReply) and first.code == ErrorCode.NO_SUCH_RANK  # authentic, for nonce A
+    fake = FakeServer(lambda _frame: recorded)
+    try:
+        with pytest.raises(SideChannelError) as info:
+            fetch_reply("127.0.0.1", fake.port, engine_id="D", pp_rank=0, secret=SECRET, nonce=NONCE_B)
+        assert info.value.kind == "replayed", str(info.value)
+    finally:
+        fake.close()
+
+
+# --- 4. bounds --------------------------------------------------------------------------------------
+
+
+def test_check_reply_refuses_a_block_size_of_2_pow_31() -> None:
+    """docs/side-channel.md bounds block_size "below 2^31" (it must fit a signed 32-bit int);
+    check_reply accepts exactly 2^31."""
+    with pytest.raises(WireError, match="block_size"):
+        check_reply(HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, block_size=1 << 31))
+
+
+def test_reply_message_round_trip_sanity() -> None:
+    """Control: the helpers above build frames the real codecs accept (keeps the failures honest)."""
+    msg = ReplyMessage(version=1, pp_rank=0, nonce=NONCE_A, reply=reply_for(0))
+    assert response_codec.decode(response_codec.encode(msg)) == msg
+    body = nested({"type": "handshake", "version": 1, "engine_id": "D", "pp_rank": 0, "nonce": NONCE_A}, 3)
+    assert request_codec.decode(body) == HandshakeRequest(version=1, engine_id="D", pp_rank=0, nonce=NONCE_A)
+    raw = deep_notification()
+    shallow = raw[:8] + b"\xc0"
+    ev = notification_event(shallow, sender="x", source="notify", t_ns=0)
+    assert isinstance(ev, NotificationReceived) and ev.request_id == "p1"
+
+
+# --- 5. a bad host escapes fetch_reply, and the handshaker's crash log prints the secret ------------
+
+LONG_LABEL_HOST = "a" * 64 + ".example"  # a DNS label over 63 characters: the idna codec refuses it
+
+
+def test_an_unusable_host_is_a_side_channel_error() -> None:
+    """fetch_reply promises SideChannelError, naming host:port. The host comes from the router's
+    kv_transfer_params (any string); one that cannot be encoded for name resolution raises a bare
+    UnicodeError out of getaddrinfo instead."""
+    with pytest.raises(SideChannelError):
+        fetch_reply(LONG_LABEL_HOST, 80, engine_id="D", pp_rank=0, timeout=1.0)
+
+
+def test_the_hmac_secret_never_reaches_the_log() -> None:
+    """No secret in logs (reliability.md). Under the CLI's logging set-up (pdfsm.cli.configure_logging:
+    structlog's default processors, printed to stderr) a handshake whose host the router gave as an
+    over-long DNS label crashes fetch_reply; the handshaker logs the traceback with _log.exception,
+    and structlog's rich traceback shows every frame's locals, fetch_reply's ``secret`` included."""
+    import io
+    import logging
+    import queue
+    import time
+
+    from pdfsm.commands import StartHandshake
+    from pdfsm.sidechannel import SideChannelHandshaker
+
+    buf = io.StringIO()
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(buf))
+    try:
+        inbox: queue.Queue[object] = queue.Queue()
+        hs = SideChannelHandshaker("D", secret=SECRET, timeout=1.0)
+        hs.bind(inbox.put, time.monotonic_ns)
+        try:
+            hs.start(StartHandshake(engine_id="P", pp_rank=0, attempt=1, host=LONG_LABEL_HOST, port=80))
+            inbox.get(timeout=5)
+        finally:
+            hs.close()
+    finally:
+        structlog.configure(**saved)
+    out = buf.getvalue()
+    assert SECRET.decode() not in out and repr(SECRET) not in out
+
+
+# --- 6. timeouts that are not positive numbers ----------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_timeouts_are_refused_at_construction(bad: float) -> None:
+    """"timeouts must be positive" is checked with ``<= 0``, which NaN passes; NaN (and inf) then
+    reach _wait, where math.ceil raises ValueError/OverflowError: every handshake fails as an
+    "internal error" and every listener connection that has to wait crashes its handler without a
+    reply. A non-finite timeout must be refused when the object is built."""
+    with pytest.raises(ValueError):
+        SideChannelServer(reply_for, io_timeout=bad)
+    from pdfsm.sidechannel import SideChannelHandshaker
+    with pytest.raises(ValueError):
+        SideChannelHandshaker("D", timeout=bad)
