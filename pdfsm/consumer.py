@@ -111,21 +111,22 @@ class ConsumerRequest:
 # --- guards: read only ------------------------------------------------------------------------
 
 
-def deadline_of(ev: ReadRequested, core: Core) -> int:
-    """The request's deadline: its read timeout, or earlier, when reads stop being trusted."""
-    d = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.read_timeout_ns
-    return min(d, trust_of(ev, core)) if ev.lease_ns else d
-
-
-def trust_of(ev: ReadRequested, core: Core) -> int:
-    """Until when a completed read is trusted: a margin before the producer's lease can end (after
-    it the producer may have reused the blocks). The read timeout is liveness, not safety: a read
-    seen complete after it but well inside the lease holds the right bytes. With the lease not
-    known, the read timeout is the only bound there is."""
+def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
+    """(deadline, trust). Reads completing at or after ``trust`` are not believed: it is a margin
+    before the producer's lease can end (after it the producer may have reused the blocks). The
+    deadline, when the request gives up on reads still running, is the read timeout or, earlier,
+    ``trust``. The read timeout is liveness, not safety: a read seen complete after it but well
+    inside the lease holds the right bytes. With the lease not known it is the only bound there is."""
+    timeout = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.read_timeout_ns
     if not ev.lease_ns:
-        return ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.read_timeout_ns
+        return timeout, timeout
     start = ev.t_ns if ev.lease_start_ns is None else ev.lease_start_ns
-    return start + ev.lease_ns - core.config.lease_margin_ns
+    trust = start + ev.lease_ns - core.config.lease_margin_ns
+    return min(timeout, trust), trust
+
+
+def deadline_of(ev: ReadRequested, core: Core) -> int:
+    return times_of(ev, core)[0]
 
 
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -283,8 +284,7 @@ def _accept(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 
 def _arm_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    m.deadline = deadline_of(ev, core)
-    m.trust = trust_of(ev, core)
+    m.deadline, m.trust = times_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
 
 
@@ -340,8 +340,7 @@ def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     computed (and cached) the plan."""
     m.req = ev
     m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
-    m.deadline = deadline_of(ev, core)
-    m.trust = trust_of(ev, core)
+    m.deadline, m.trust = times_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
     _post_reads(m, core)
 
