@@ -137,7 +137,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     d = ev.deadline
     if d is not None and d.clock != core.config.clock:
         return False
-    if ev.lease_ns and deadline_of(ev, core) <= ev.t_ns:
+    if deadline_of(ev, core) <= ev.t_ns:  # as _lease_over: the common case is never a refusal
         return False
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False

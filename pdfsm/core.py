@@ -323,8 +323,9 @@ class Core:
                     log.next_seq = seq
                     try:
                         n_derived += self._drain(derived, seq - 1)
-                    except BaseException:
+                    except BaseException:  # strict mode: a derived event was illegal
                         derived.clear()
+                        seq = log.next_seq  # its records (and those before it) were made: never reuse their seqs
                         raise
                     seq = log.next_seq
         finally:
