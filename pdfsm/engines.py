@@ -31,7 +31,7 @@ import msgspec
 import structlog
 import torch
 
-from pdfsm.connector import Connector
+from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.consumer import S
 from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Op, OpType, Prefill, Result, Tamper
 from pdfsm.events import CoreConfig, HandleDone, HandleFailed, HandleFailure, HandshakeReply, NotificationReceived
@@ -64,8 +64,8 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace, pp: int, tp: int, log_dir: Path) -> None:
         self.pp, self.tp = pp, tp
-        layers_here = args.layers // args.pp
-        self.layers = list(range(pp * layers_here, (pp + 1) * layers_here))
+        # Every layer on some PP rank, the later ranks taking the remainder (as serving engines split them).
+        self.layers = list(range(pp * args.layers // args.pp, (pp + 1) * args.layers // args.pp))
         self.heads = 1 if args.mla else args.heads // args.tp
         self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8,
                                device=args.kv_device) for _ in self.layers]
@@ -155,6 +155,7 @@ class Engine:
         self.held: dict[str, tuple[list[int], int, set[int]]] = {}  # rid -> blocks, seed, ranks pending
         self._outcomes: dict[str, list[tuple[str, str]]] = {}
         self.aborts: set[str] = set()
+        self.params: dict[str, KVTransferParams] = {}  # what each held consumer request reads
         self.early_frees = 0
         self._next_stats = 0.0
         self.server = None
@@ -210,10 +211,17 @@ class Engine:
         lease_start = time.monotonic_ns() - int(op.age_s * 1e9)
         for w in self.workers:
             w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)
+        self.params[op.rid] = op.params
 
     def abort(self, op: Abort) -> None:
-        """Abort ``op.rid`` now, or once its reads are posted so it lands mid-read (_abort_due)."""
-        if op.stage == "reading":
+        """Abort ``op.rid`` now, or mid-read. With its engines connected its reads start in the next
+        pump, and a read of a few blocks can complete within that same step: the abort is queued
+        behind the load now, so the machine takes it in READING, its reads posted and cancelled.
+        Otherwise it waits for the handshake: _abort_due applies it once the machine reads."""
+        p = self.params.get(op.rid)
+        soon = p is not None and all(w.conn.core.engine_connected((p.remote_engine_id, pp))
+                                     for w in self.workers for pp in range(p.remote_pp_size))
+        if op.stage == "reading" and not soon:
             self.aborts.add(op.rid)
             return
         for w in self.workers:
@@ -225,7 +233,8 @@ class Engine:
 
     def sizes(self) -> dict[str, int]:
         """Entries in every table that grows with requests: all must stay bounded in a long run."""
-        out = {"held": len(self.held), "outcomes": len(self._outcomes), "aborts": len(self.aborts)}
+        out = {"held": len(self.held), "outcomes": len(self._outcomes), "aborts": len(self.aborts),
+               "params": len(self.params)}
         for w in self.workers:
             core = w.conn.core
             for name, n in (("consumers", len(core.consumers)), ("producers", len(core.producers)),
@@ -287,10 +296,14 @@ class Engine:
             sending, recving = w.conn.get_finished()
             for rid in sending:
                 self._ranked(rid, i, w.conn.last.expired)
-            failed = {f.request_id: f.reason for f in w.conn.last.failed}
+            last = w.conn.last
+            failed = {f.request_id: f for f in last.failed}
             for rid in recving:
-                outcome = "failed" if rid in failed else "aborted" if rid in w.conn.last.aborted else "received"
-                self._ranked(rid, i, outcome=outcome, reason=failed.get(rid, ""))
+                f = failed.get(rid)
+                if f is not None and not set(self.held[rid][0]) <= last.invalid_block_ids:
+                    emit(Result(ev="error", rid=rid, reason="failed without its blocks reported invalid"))
+                outcome = "failed" if f else "aborted" if rid in last.aborted else "received"
+                self._ranked(rid, i, outcome=outcome, reason=f"{f.policy}: {f.reason}" if f else "")
 
     def _ranked(self, rid: str, rank: int, expired: Any = frozenset(), *, outcome: str = "",
                 reason: str = "") -> None:
@@ -303,6 +316,7 @@ class Engine:
         if pending:
             return
         del self.held[rid]
+        self.params.pop(rid, None)
         for w in self.workers:
             w.tamper.planned.pop(rid, None)  # a fault planned for an event that never came
         outcomes = self._outcomes.pop(rid)

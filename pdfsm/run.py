@@ -5,13 +5,15 @@ This process plays the router and both schedulers: it asks the prefill engine
 the decode engine, and collects what each reports. Each worker writes its event log; at
 the end every log is read back, replayed (a divergence is an error) and summarized, and
 the run checks that every request ended in a defined state, every byte read was the one
-written, both block pools are whole again, and nothing was blamed on us.
+written, both block pools are whole again, failed requests came back with the failure policy
+and their blocks reported invalid, and no illegal event was blamed on us (faults the machines
+handled are the point of some runs: with ``--no-pp`` every request is refused as a local one).
 
 Faults (``--fault``) show each failure path ending in a defined state:
 
 - ``kill-prefill``: the prefill process is killed (SIGKILL) while reads are in flight;
-- ``drop-notification``: the network loses one notification, so that request's blocks
-  are released by its lease (shortened for the run);
+- ``drop-notification``: the notifications for request p-1 are lost (each prefill worker
+  drops the first it gets), so its blocks are released by the lease (shortened for the run);
 - ``forge-notification``: the producer gets a notification for a request it never had;
 - ``wrong-engine-id``: the producer's listener answers with another engine id, as
   unsynced multi-node ids did (vLLM PR 39907);
@@ -45,7 +47,7 @@ from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
 from pdfsm.replay import render, replay, summarize
 
-__all__ = ["Outcome", "add_arguments", "main", "run", "run_command"]
+__all__ = ["Outcome", "UsageError", "add_arguments", "check_options", "main", "run", "run_command"]
 
 FAULTS = ("kill-prefill", "drop-notification", "forge-notification", "wrong-engine-id", "compat-hash")
 LEASE_FAULTS = frozenset({"drop-notification", "forge-notification", "wrong-engine-id", "compat-hash"})
@@ -76,6 +78,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class EngineError(RuntimeError):
     """An engine process died or went silent: the run cannot go on (its stderr is in the message)."""
+
+
+class UsageError(ValueError):
+    """Options the demo cannot run as asked (they are refused before any engine starts)."""
+
+
+LAYERS = 4  # the demo model's layers, shared out over the prefill PP ranks
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse what could only fail or silently not do what was asked, naming the option."""
+    from pdfsm.topology import TopologyError, tp_ratio
+
+    for name in ("requests", "prefill_tp", "decode_tp", "prefill_pp", "max_blocks", "in_flight"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        tp_ratio(args.decode_tp, args.prefill_tp)
+    except TopologyError as exc:
+        raise UsageError(f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: {exc}") from None
+    if args.prefill_pp > LAYERS:
+        raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
+    # A fault needs requests to act on: kill-prefill strikes the third, the others the second;
+    # --abort N aborts requests 1, 4, 7...
+    least = max([3 if f == "kill-prefill" else 2 for f in args.fault] + [3 * args.abort - 1 if args.abort else 1])
+    if args.requests < least:
+        raise UsageError(f"--requests {args.requests}: {', '.join(args.fault) or '--abort'} needs at least {least}")
 
 
 class Engine:
@@ -181,7 +210,7 @@ def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str
     tp = args.prefill_tp if prefill else args.decode_tp
     argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(tp),
             "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
-            "--layers", "4", "--lease-s", str(lease), "--log-dir", str(log_dir), "--kv-device", args.kv_device]
+            "--layers", str(LAYERS), "--lease-s", str(lease), "--log-dir", str(log_dir), "--kv-device", args.kv_device]
     if args.mla:
         argv.append("--mla")
     if prefill:
@@ -198,6 +227,7 @@ def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str
 
 def run(args: argparse.Namespace, *, show: bool = True) -> Outcome:
     """Run the two engines; returns what happened (``show`` prints progress and the replay)."""
+    check_options(args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdfsm-demo-"))
     out = Outcome()
     refused = clear_demo_logs(log_dir)
@@ -236,7 +266,44 @@ def run(args: argparse.Namespace, *, show: bool = True) -> Outcome:
     return out
 
 
+class _Progress:
+    """One line of progress: rewritten in place on a terminal, a line every 5 s otherwise."""
+
+    def __init__(self, show: bool) -> None:
+        self.show, self.tty = show, show and sys.stdout.isatty()
+        self.last = 0.0
+        self.line = ""
+        self.in_flight = 0
+
+    def update(self, line: str, *, now: bool = False) -> None:
+        if not self.show or (not now and time.monotonic() - self.last < (0.5 if self.tty else 5.0)):
+            return
+        self.last, self.line = time.monotonic(), line
+        print(f"\r{line}   " if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def end(self, line: str) -> None:
+        """The final state, and on a terminal the newline that ends the line, however the run ended."""
+        if self.tty and self.line:
+            self.update(line, now=True)
+            print()
+
+
 def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outcome, show: bool) -> None:
+    progress = _Progress(show)
+    try:
+        _drive_requests(args, prefill, decode, out, progress)
+    finally:
+        progress.end(_progress_line(args, out, progress.in_flight))
+
+
+def _progress_line(args: argparse.Namespace, out: Outcome, in_flight: int) -> str:
+    done = sum(out.outcomes.values())
+    return (f"  requests {done}/{args.requests} done, {in_flight} in flight, {dict(out.outcomes)}, "
+            f"producer released {out.released} (+{out.expired} by lease)")
+
+
+def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outcome,
+                    progress: _Progress) -> None:
     rng = random.Random(args.seed)
     faults = set(args.fault)
     started = done = 0
@@ -244,7 +311,6 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
     in_flight: dict[str, float] = {}
     to_abort = args.abort
     deadline = time.monotonic() + args.timeout_s
-    last_show = 0.0
     releases_due = args.requests
     while done < started or started < args.requests or out.released + out.expired < min(started, releases_due):
         if time.monotonic() > deadline:
@@ -296,12 +362,8 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
         if "forge-notification" in faults and done >= 2:
             decode.send(Forge())
             faults.discard("forge-notification")
-        tty = sys.stdout.isatty()
-        if show and time.monotonic() - last_show > (0.5 if tty else 5.0):
-            last_show = time.monotonic()
-            line = (f"  requests {done}/{args.requests} done, {len(in_flight)} in flight, {dict(out.outcomes)}, "
-                    f"producer released {out.released} (+{out.expired} by lease)")
-            print(f"\r{line}   " if tty else line, end="" if tty else "\n", flush=True)
+        progress.in_flight = len(in_flight)
+        progress.update(_progress_line(args, out, len(in_flight)))
         if prefill.dead and done >= started:
             break
         for eng in (prefill, decode):  # an engine that ended on its own: stop now, not at the timeout
@@ -312,8 +374,6 @@ def _drive(args: argparse.Namespace, prefill: Engine, decode: Engine, out: Outco
                 return
         time.sleep(0.002)
     out.requests = done
-    if show and sys.stdout.isatty():
-        print()
 
 
 def _seed_of(args: argparse.Namespace, i: int) -> int:
@@ -374,6 +434,10 @@ def _report(args: argparse.Namespace, out: Outcome) -> None:
           f"{out.seconds:.1f} s; faults: {', '.join(args.fault) or 'none'}")
     print(f"  decode outcomes {dict(out.outcomes)}, bytes verified for every received request: "
           f"{'yes' if not out.bad_bytes else 'NO'}, p50 latency {p50:.1f} ms")
+    policies = Counter(reason.partition(":")[0] for reason in out.reasons.values())
+    if policies:
+        print("  failed requests handed back with their blocks reported invalid, policy "
+              + ", ".join(f"{policy} x{n}" for policy, n in sorted(policies.items())))
     print(f"  prefill released {out.released} by notification, {out.expired} by lease")
     for log in out.logs:
         summary = summarize(out.records.get(log, []))
@@ -390,7 +454,7 @@ def run_command(args: argparse.Namespace) -> int:
     """``pdfsm demo``: exit 0 when every request ended in a defined state and nothing leaked."""
     try:
         out = run(args, show=not args.json)
-    except EngineError as e:
+    except (EngineError, UsageError) as e:
         print(f"pdfsm demo: {e}", file=sys.stderr)
         return 2
     if args.json:
