@@ -580,6 +580,8 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
     sock: socket.socket | None = None
     phase = "connect"
     try:
+        if type(port) is not int or not 0 < port <= 65535:
+            raise SideChannelError("invalid", f"{where}: port must be 1..65535")
         try:
             family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         except (UnicodeError, OverflowError, ValueError) as exc:  # a host no resolver takes, a port out of range

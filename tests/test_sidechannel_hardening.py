@@ -304,3 +304,12 @@ def test_non_finite_timeouts_are_refused_at_construction(bad: float) -> None:
     from pdfsm.sidechannel import SideChannelHandshaker
     with pytest.raises(ValueError):
         SideChannelHandshaker("D", timeout=bad)
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536, 2**31])
+def test_a_port_out_of_range_is_an_invalid_request(port: int) -> None:
+    """docs/side-channel.md: a port out of range is a SideChannelError of kind ``invalid`` (it was
+    ``refused`` or ``connection``, depending on what the resolver made of it)."""
+    with pytest.raises(SideChannelError) as err:
+        fetch_reply("127.0.0.1", port, engine_id="D", pp_rank=0, timeout=1.0)
+    assert err.value.kind == "invalid"
