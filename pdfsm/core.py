@@ -295,7 +295,7 @@ class Core:
                             t = ev.t_ns
                             order.append((t, target, key))
                             # Bounded by count and by age, so memory is flat in a long run at any rate.
-                            while len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns:
+                            while order and (len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns):
                                 _, old, old_key = order.popleft()
                                 self._remembered[old].pop(old_key, None)
                     if fault is None:

@@ -30,7 +30,7 @@ class Timers:
         self._slots: dict[int, dict[str, int]] = {}
         self._order: list[int] = []  # heap of slot numbers; may hold slots emptied since
         self._run: list[tuple[int, str]] = []  # the slot ``_run_slot``'s entries, latest first
-        self._run_slot = -1
+        self._run_slot: int | None = None  # None: no slot sorted (every int is a slot, -1 too)
 
     def arm(self, key: str, deadline: int) -> None:
         slot = deadline >> self._shift
@@ -83,7 +83,7 @@ class Timers:
                     if keys.get(key) == -neg:
                         return -neg
                     run.pop()  # disarmed, or taken by ``due``, since the run was sorted
-                self._run_slot = -1  # every entry of the run was stale: sort what the slot holds now
+                self._run_slot = None  # every entry of the run was stale: sort what the slot holds now
                 continue
             self._drop_front()
         return None
@@ -99,7 +99,7 @@ class Timers:
         slot = heapq.heappop(self._order)
         self._slots.pop(slot, None)
         if slot == self._run_slot:
-            self._run_slot = -1
+            self._run_slot = None
             self._run.clear()
 
     def __len__(self) -> int:

@@ -85,7 +85,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 import numpy as np
@@ -396,9 +396,13 @@ class NixlTransport:
                 remote_layers, remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
             pairing.append((pos, tuple(self.regions[i] for i in pos)))
         if key in self.peers:  # a fresh reply for a connected engine replaces it
+            # Checked before anything is dropped: an agent of the reply that still has reads of ours
+            # would be left draining and could not be added again; other agents may drain.
+            named = {info.agent for info, _ in decoded}
+            busy = sorted(p.agent for p in self.peers[key].values() if p.reads and p.agent in named)
+            if busy:
+                raise TransportError(f"peer {key}: agents {busy} still have reads of ours: retry the handshake later")
             self.drop_peer(key)
-            if any(p.key == key for p in self._draining):
-                raise TransportError(f"peer {key} is still draining reads: retry the handshake later")
         added: list[str] = []
         ranks: dict[int, _Peer] = {}
         try:
@@ -766,19 +770,23 @@ class _Never(Exception):
     """Stands in for an exception type this NIXL build does not have."""
 
 
+_ENV_LOCK: Final = threading.Lock()
+
+
 @contextmanager
 def _net_devices(devices: str) -> Iterator[None]:
     """``UCX_NET_DEVICES`` for the backends created inside (UCX reads it when a backend creates
     its context), unless the environment already says. NIXL's own ``ucx_devices`` parameter
     left UCX listening on every interface here."""
-    if not devices or "UCX_NET_DEVICES" in os.environ:
-        yield
-        return
-    os.environ["UCX_NET_DEVICES"] = devices
-    try:
-        yield
-    finally:
-        os.environ.pop("UCX_NET_DEVICES", None)
+    with _ENV_LOCK:  # the variable is process-wide: transports built on two threads take turns
+        if not devices or "UCX_NET_DEVICES" in os.environ:
+            yield
+            return
+        os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            yield
+        finally:
+            os.environ.pop("UCX_NET_DEVICES", None)
 
 
 def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
