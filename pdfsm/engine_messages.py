@@ -29,12 +29,15 @@ class Prefill(Op, kw_only=True):
 
 
 class Load(Op, kw_only=True):
-    """``age_s``: how long the router held the params; the producer's lease started that long ago."""
+    """``age_s``: how long the router held the params; the producer's lease started that long ago.
+    ``abort``: abort it mid-read, in the same op (an Abort sent after the Load could arrive after a
+    step that already read the request to the end)."""
 
     rid: str
     params: KVTransferParams
     seed: int
     age_s: float = 0.0
+    abort: bool = False
 
 
 class Abort(Op, kw_only=True):

@@ -212,6 +212,8 @@ class Engine:
         for w in self.workers:
             w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)
         self.params[op.rid] = op.params
+        if op.abort:
+            self.abort(Abort(rid=op.rid))
 
     def abort(self, op: Abort) -> None:
         """Abort ``op.rid`` now, or mid-read. With its engines connected its reads start in the next

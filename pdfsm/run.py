@@ -41,7 +41,7 @@ from typing import IO, Any
 
 import msgspec
 
-from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Prefill, Result
+from pdfsm.engine_messages import MARK, Finish, Forge, Load, Prefill, Result
 from pdfsm.filelog import read_log
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
@@ -329,15 +329,14 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
                 kill = "kill-prefill" in faults and not prefill.dead and done >= 2
                 if kill:  # frozen first, so it cannot finish serving the read we are about to start
                     prefill.proc.send_signal(signal.SIGSTOP)
-                decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i)))
+                abort = bool(to_abort) and i % 3 == 1
+                to_abort -= abort
+                decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i), abort=abort))
                 loaded.add(f"d-{i}")
                 if kill:
                     time.sleep(0.3)  # the decode side posts its reads against the frozen producer
                     prefill.kill()
                     releases_due = 0
-                if to_abort and i % 3 == 1:
-                    to_abort -= 1
-                    decode.send(Abort(rid=f"d-{i}"))
             elif r.ev == "released":
                 out.expired += r.expired
                 out.released += not r.expired
