@@ -27,6 +27,7 @@ it implies none of the options after it hold, so it only saves their cost.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
@@ -159,18 +160,21 @@ def _contradiction(r: HandshakeReply, req: ReadRequested, pp: int) -> str | None
     return None
 
 
-def disagreement(req: ReadRequested, core: Core) -> str | None:
-    """The first contradiction between a request with blocks to read and the engines it reads
-    from that are connected, if any."""
+def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
+    """(pp_rank, why) for each connected engine a request with blocks to read contradicts."""
     if not req.local_blocks:
-        return None
+        return
     for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
         e = core.engines.get((req.engine_id, pp))
         if e is not None and e.state is CONNECTED and e.reply is not None:
             why = _contradiction(e.reply, req, pp)
             if why is not None:
-                return why
-    return None
+                yield pp, why
+
+
+def disagreement(req: ReadRequested, core: Core) -> str | None:
+    """The first contradiction between a request and the connected engines it reads from, if any."""
+    return next((why for _, why in contradictions(req, core)), None)
 
 
 def _foreign_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -447,11 +451,10 @@ def _refuse_contradiction(m: ConsumerRequest, ev: ReadRequested, core: Core) -> 
     contradicts, and no read to the old agent would ever say so (smg 2382). So each engine that
     contradicts is also asked to be evicted (it is, unless a read still holds it): the next
     request handshakes afresh instead of being refused for ever."""
-    _refuse(m, ev, core, disagreement(ev, core) or "", True)
-    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
-        e = core.engines.get((ev.engine_id, pp))
-        if e is not None and e.state is CONNECTED and e.reply is not None and _contradiction(e.reply, ev, pp):
-            core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=ev.engine_id, pp_rank=pp))
+    found = list(contradictions(ev, core))
+    _refuse(m, ev, core, found[0][1], True)
+    for pp, _ in found:
+        core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=ev.engine_id, pp_rank=pp))
 
 
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

@@ -130,6 +130,11 @@ class _RequestProbe(msgspec.Struct, frozen=True, tag="handshake"):
 
 request_codec: Final[Codec[HandshakeRequest]] = Codec("side-channel request", HandshakeRequest, MAX_REQUEST_BYTES)
 response_codec: Final[Codec[Response]] = Codec("side-channel reply", Response, MAX_REPLY_BYTES)  # type: ignore[arg-type]
+def reply_codec(cap: int) -> Codec[Response]:
+    """The reply codec for a cap: the shared one at the default, a new one otherwise."""
+    return response_codec if cap == MAX_REPLY_BYTES else Codec("side-channel reply", Response, cap)  # type: ignore[arg-type]
+
+
 _probe_codec: Final[Codec[_RequestProbe | Response]] = Codec(  # a well-formed reply sent to us is "wrong-type"
     "side-channel request", _RequestProbe | Response, MAX_REQUEST_BYTES)  # type: ignore[arg-type]
 
@@ -343,8 +348,7 @@ class SideChannelServer:
         self.secret = _check_secret(secret)
         self.io_timeout = io_timeout
         self.max_reply_bytes = max_reply_bytes
-        self._reply_codec: Codec[Response] = response_codec if max_reply_bytes == MAX_REPLY_BYTES else Codec(
-            "side-channel reply", Response, max_reply_bytes)  # type: ignore[arg-type]
+        self._reply_codec = reply_codec(max_reply_bytes)
         self.refused: Counter[str] = Counter()  # by ErrorCode, plus "empty" and "connection-error"
         self.served = self.crashes = 0
         self._lock = threading.Lock()
@@ -603,9 +607,7 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
             if exc.code == ErrorCode.UNAUTHENTICATED:
                 raise SideChannelError(exc.code, f"{where}: unauthenticated reply: {exc}") from None
             raise
-        codec = response_codec if max_reply_bytes == MAX_REPLY_BYTES else Codec(
-            "side-channel reply", Response, max_reply_bytes)  # type: ignore[arg-type]
-        message = codec.decode(raw)
+        message = reply_codec(max_reply_bytes).decode(raw)
         if isinstance(message, ReplyMessage):
             check_reply(message.reply)
     except SideChannelError:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_nixl_transport import _listening_addresses
 from transport_helpers import random_kv, zero_kv
 
 from pdfsm.commands import PostRead
@@ -97,26 +98,6 @@ def test_fresh_reply_refused_because_of_another_agents_draining_read(monkeypatch
         pb.close()
 
 
-def _listening_sockets() -> dict[str, str]:
-    """This process's listening TCP sockets: socket inode -> local address as /proc writes it."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for row in list(f)[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    out[cols[9]] = cols[1].rsplit(":", 1)[0]
-    return out
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
 def test_transports_built_on_two_threads_both_listen_on_loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """ucx_devices="lo" (the default) must hold for every transport, whichever thread builds it.
@@ -146,7 +127,7 @@ def test_transports_built_on_two_threads_both_listen_on_loopback_only(monkeypatc
     monkeypatch.setattr(api.nixl_agent, "create_backend", create_backend)
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     built: dict[str, NixlTransport] = {}
-    before = set(_listening_sockets())
+    before = set(_listening_addresses())
 
     def build(tag: str) -> None:
         if tag == "second":
@@ -163,7 +144,7 @@ def test_transports_built_on_two_threads_both_listen_on_loopback_only(monkeypatc
     try:
         assert set(built) == {"first", "second"}
         assert seen["second"] == "lo", f"the second backend was created with UCX_NET_DEVICES={seen['second']!r}"
-        opened = {addr for inode, addr in _listening_sockets().items() if inode not in before}
+        opened = {addr for inode, addr in _listening_addresses().items() if inode not in before}
         loopback = {"0100007F", "00000000000000000000000001000000"}
         assert opened and opened <= loopback, f"listening on {opened - loopback} besides loopback"
     finally:

@@ -299,3 +299,12 @@ def test_torch_loss_of_a_replaced_connection_does_not_report_the_new_one_gone() 
     assert not any(isinstance(e, PeerDisconnected) for e in events), events
     for t in (d, old, new):
         t.close()
+
+
+@needs_nixl
+@pytest.mark.parametrize("devices", ["", "all", " ALL "])
+def test_nixl_never_listens_on_every_interface(devices: str) -> None:
+    """UCX's default (and "all") opens a listener on every interface, 0.0.0.0: refused; the
+    transport listens on the devices it is given, loopback by default."""
+    with pytest.raises(ValueError, match="ucx_devices"):
+        NixlTransport(name("wild"), zero_kv(1, 4, 64), ucx_devices=devices)

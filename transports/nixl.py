@@ -296,8 +296,9 @@ class NixlTransport:
 
         ``ucx_devices``: the network devices UCX may open sockets on (``UCX_NET_DEVICES``; UCX's
         own default is every interface, each with a listening socket). Loopback by default, like
-        the side channel; name the devices that reach the peers on a multi-host deployment, or
-        ``""`` for UCX's default. A ``UCX_NET_DEVICES`` already in the environment wins.
+        the side channel; name the devices that reach the peers on a multi-host deployment. ``""``
+        and ``"all"`` (every interface) are refused. A ``UCX_NET_DEVICES`` already in the
+        environment wins.
 
         ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
         ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
@@ -778,8 +779,10 @@ def _net_devices(devices: str) -> Iterator[None]:
     """``UCX_NET_DEVICES`` for the backends created inside (UCX reads it when a backend creates
     its context), unless the environment already says. NIXL's own ``ucx_devices`` parameter
     left UCX listening on every interface here."""
+    if devices.strip().lower() in ("", "all"):  # UCX would listen on every interface (0.0.0.0)
+        raise ValueError("ucx_devices must name the devices UCX may listen on (default 'lo'), not every one")
     with _ENV_LOCK:  # the variable is process-wide: transports built on two threads take turns
-        if not devices or "UCX_NET_DEVICES" in os.environ:
+        if "UCX_NET_DEVICES" in os.environ:
             yield
             return
         os.environ["UCX_NET_DEVICES"] = devices
