@@ -136,6 +136,11 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
 def _check_id(field: str, value: object) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
         raise InvalidInput(field, f"must be a non-empty string of at most {MAX_ID_CHARS} characters, got {value!r}")
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate: no message or log record could carry it
+            raise InvalidInput(field, f"must be valid Unicode (no lone surrogates), got {value!r}") from None
     return value
 
 
@@ -227,6 +232,10 @@ class Connector:
         # Params already loaded, (engine, remote request) -> local id, the newest tombstones-many:
         # a second read of them could copy blocks the producer released after the first.
         self._loaded: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # Local blocks a load may still write, until its request is handed back (id -> blocks too):
+        # a block handed to a second load before then could be written by both (SGLang PR 35049).
+        self._writing: dict[int, str] = {}
+        self._writes: dict[str, tuple[int, ...]] = {}
         self.last = StepOutput(step=0)
         self._closed = False
 
@@ -307,6 +316,10 @@ class Connector:
         local = _check_blocks("local_block_ids", local_block_ids)
         if len(set(local)) != len(local):  # two reads would race to write one block
             raise InvalidInput("local_block_ids", "a block id is repeated")
+        if not self._writing.keys().isdisjoint(local):
+            block = next(b for b in local if b in self._writing)
+            raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
+                                                  "it is free again once that request is reported finished")
         remote = p.remote_block_ids
         if len(local) > len(remote):
             raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")
@@ -384,6 +397,9 @@ class Connector:
         remote = [(ev.engine_id, ev.remote_request_id) for ev in events if isinstance(ev, ReadRequested)]
         if len(set(remote)) != len(remote):
             raise InvalidInput("reqs_to_recv", "two requests load the same params: params are single-use")
+        local = [b for ev in events if isinstance(ev, ReadRequested) for b in ev.local_blocks]
+        if len(set(local)) != len(local):
+            raise InvalidInput("reqs_to_recv", "two requests load into the same local block")
         for ev in events:
             self._submit(ev)
         for rid in aborted:
@@ -415,6 +431,9 @@ class Connector:
             self._loaded[(ev.engine_id, ev.remote_request_id)] = ev.request_id
             if len(self._loaded) > self.config.tombstones:
                 self._loaded.popitem(last=False)
+            if ev.local_blocks:
+                self._writing.update(dict.fromkeys(ev.local_blocks, ev.request_id))
+                self._writes[ev.request_id] = ev.local_blocks
         else:
             self._queued[PRODUCER].add(ev.request_id)
         self.core.submit(ev)
@@ -519,6 +538,9 @@ class Connector:
                                             detail=f"{type(exc).__name__}: {exc}"))
                 elif isinstance(cmd, (HandOff, FinishedSending)):
                     self._out.append(cmd)
+                    if isinstance(cmd, HandOff):
+                        for block in self._writes.pop(cmd.request_id, ()):
+                            del self._writing[block]
                 elif isinstance(cmd, SendNotification):
                     self._send(cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
                 elif isinstance(cmd, CancelRead):

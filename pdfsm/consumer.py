@@ -41,7 +41,6 @@ from pdfsm.events import (
     EvictRequested,
     HandleDone,
     HandleFailed,
-    HandshakeReply,
     Quarantined,
     ReadRequested,
     Reported,
@@ -145,13 +144,21 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     e = core.engines.get((ev.engine_id, 0))
     if e is None or e.state is not CONNECTED:
         return False
-    return e.reply is not None and _contradiction(e.reply, ev, 0) is None
+    return e.reply is not None and _contradiction(e, ev, 0) is None
 
 
-def _contradiction(r: HandshakeReply, req: ReadRequested, pp: int) -> str | None:
-    """How the request's params contradict one engine's validated handshake reply, if they do: the
-    producer's TP or PP size, or a block id it does not have. Reading with such params would move
-    the wrong slices or the wrong blocks, and notify the wrong ranks."""
+def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
+    """How the request's params contradict one connected engine, if they do: the address it was
+    handshaken at (two engines sharing one engine id, as vLLM's data-parallel prefill ranks once
+    did, PR 18903: the engine id check of the handshake passes for both), or its validated reply's
+    TP or PP size, or a block id it does not have. Reading with such params would move another
+    engine's blocks, the wrong slices or the wrong blocks, and notify the wrong ranks."""
+    if req.port and e.port and (req.port != e.port or req.host != e.host):  # port 0: no address given
+        return (f"the params place {req.engine_id} at {req.host}:{req.port}; pp_rank {pp} was handshaken at "
+                f"{e.host}:{e.port} (two engines share one engine id, or it moved)")
+    r = e.reply
+    if r is None:
+        return None
     if r.tp_size != req.remote_tp or r.pp_size != req.remote_pp:
         return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
                 f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
@@ -166,8 +173,8 @@ def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
         return
     for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
         e = core.engines.get((req.engine_id, pp))
-        if e is not None and e.state is CONNECTED and e.reply is not None:
-            why = _contradiction(e.reply, req, pp)
+        if e is not None and e.state is CONNECTED:
+            why = _contradiction(e, req, pp)
             if why is not None:
                 yield pp, why
 

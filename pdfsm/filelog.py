@@ -309,7 +309,8 @@ def write_segment(
 
 
 class Gap(msgspec.Struct, frozen=True):
-    """Records the writer could not queue (``Overflow.COUNT``): the loss, as written in the log."""
+    """Records the writer could not queue (``Overflow.COUNT``) or encode (over the frame cap, or
+    not encodable): the loss, as written in the log."""
 
     first_seq: int
     count: int
@@ -466,14 +467,17 @@ def _check_frame(fd: int, offset: int, size: int, cap: int) -> tuple[tuple[Any, 
     return fields, payload
 
 
-def _valid_frame_after(fd: int, start: int, size: int, cap: int) -> int | None:
-    """The offset of the first self-consistent frame at or after ``start``, if any (bounded reads)."""
+def _valid_frame_after(fd: int, start: int, size: int, cap: int, claimed_end: int, link: int | None) -> int | None:
+    """The offset of the first self-consistent frame at or after ``start``, if any (bounded reads),
+    that is not inside a damaged frame's claimed payload (``start``..``claimed_end``) unless it
+    chains to that frame (its prev_crc is ``link``, the damaged frame's stored CRC)."""
     pos = start
     while pos < size:
         chunk = _pread(fd, min(_SCAN_CHUNK + len(FRAME_MARKER) - 1, size - pos), pos)
         i = chunk.find(FRAME_MARKER)
         while i != -1:
-            if not isinstance(_check_frame(fd, pos + i, size, cap), str):
+            got = _check_frame(fd, pos + i, size, cap)
+            if not isinstance(got, str) and (pos + i >= claimed_end or got[0][4] == link):
                 return pos + i
             i = chunk.find(FRAME_MARKER, i + 1)
         pos += _SCAN_CHUNK
@@ -481,8 +485,18 @@ def _valid_frame_after(fd: int, start: int, size: int, cap: int) -> int | None:
 
 
 def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: int, last: bool) -> LogError:
-    """Classify damage at ``offset``: a torn tail, or corruption because good data follows it."""
-    after = _valid_frame_after(fd, offset + 1, size, cap)
+    """Classify damage at ``offset``: a torn tail, or corruption because good data follows it.
+
+    A frame whose header still reads claims a payload; a frame-shaped run of bytes inside it is
+    its payload (records carry a peer's bytes: a handshake reply's metadata), so it is evidence of
+    later data only if it chains to the damaged frame, which the segment's random salt keeps
+    anyone from forging. A corrupted length is caught either way: the real next frame chains."""
+    claimed_end, link = offset + 1, None
+    if size - offset >= FRAME.size:
+        fields = FRAME.unpack(_pread(fd, FRAME.size, offset))
+        if fields[0] == FRAME_MARKER:
+            claimed_end, link = offset + FRAME.size + fields[2], fields[1]
+    after = _valid_frame_after(fd, offset + 1, size, cap, claimed_end, link)
     if after is not None:
         return CorruptLogError(f"{reason}; a valid frame follows at byte {after}", path=path, offset=offset)
     if not last:

@@ -576,7 +576,7 @@ def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequen
                    "entries": [record_json(rec, log) for log, rec in followed.entries]}
     return {"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": exit_code,
             "logs": [_log_json(log, s, at, timelines) for log, s, at in zip(logs, summaries, ats, strict=True)],
-            "request": request}
+            "request": request, "error": None}
 
 
 # --- the command ------------------------------------------------------------------------------------------
@@ -663,13 +663,15 @@ def write_output(path: str, text: str, command: str) -> bool:
 
 def replay_command(args: argparse.Namespace) -> int:
     """``pdfsm replay``: read, replay, summarize; the exit code says whether the logs hold up."""
-    if args.timelines < 0 or args.limit < 0:
-        print("pdfsm replay: --timelines and --limit must be >= 0", file=sys.stderr)
-        return Exit.USAGE
     names = [name for name, _ in expand(args.logs)]
     ats = _resolve_at(args.at, names)
-    if isinstance(ats, str):
+    if args.timelines < 0 or args.limit < 0:
+        ats = "--timelines and --limit must be >= 0"
+    if isinstance(ats, str):  # a usage error, found before any log is read: --json still prints its document
         print(f"pdfsm replay: {ats}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": int(Exit.USAGE), "logs": [],
+                              "request": None, "error": ats}))
         return Exit.USAGE
     progress = make_progress(args.progress, json_mode=args.json)
     logs = load_all(args.logs, repair=args.repair, progress=progress)

@@ -69,7 +69,7 @@ class Found:
     found: bool
     examples: int  # interleavings generated up to the first failure (all of them if none failed)
     seconds: float  # until the first failure
-    steps: int = 0  # steps in the shrunk counterexample
+    steps: int = 0  # steps chosen in the shrunk counterexample (not the settling that follows them)
     message: str = ""
     world: World | None = field(default=None, repr=False)
     total_steps: int = 0  # steps taken over every interleaving tried, shrinking included
@@ -113,7 +113,7 @@ def hunt(scenario: Scenario | None = None, variant: Variant | None = None, invar
     except InvariantViolation as exc:
         assert first is not None
         world, message = minimize(last[0].chosen, scenario, variant, invariants) or (last[0], str(exc))
-        return Found(True, first[0], first[1], world.step_no, message, world, total)
+        return Found(True, first[0], first[1], len(world.chosen), message, world, total)
     return Found(False, calls, time.perf_counter() - start, total_steps=total)
 
 
@@ -166,8 +166,9 @@ def _choose(world: World, data: st.DataObject) -> None:
     shrinks towards the first enabled one)."""
     for name in world.s.prefix:
         choice = next((c for c in world.enabled() if c.name == name), None)
-        if choice is not None:
-            world.choose(choice)
+        if choice is None:  # a misspelt seed would quietly start the search from the root
+            raise ValueError(f"prefix step {name!r} is not enabled after {world.chosen}")
+        world.choose(choice)
     steps = data.draw(st.integers(1, world.s.max_steps), label="steps")
     for _ in range(steps):
         choices = world.enabled()

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import structlog
@@ -73,6 +73,17 @@ from pdfsm.fsm import Fault
 from pdfsm.log import EventLog, MemorySink, Record
 from pdfsm.timers import Timers
 from pdfsm.wire import Notification
+
+# Who stamps each event the world makes, as in production: a counterexample's trace then puts
+# each on its thread's track.
+_SOURCES: Final[dict[type, str]] = {
+    **dict.fromkeys((BlocksHeld, ReadRequested, Collect, AbortRequested, EvictRequested), Source.SCHEDULER),
+    **dict.fromkeys((HandshakeDone, HandshakeFailed, PeerAdded), Source.HANDSHAKE),
+    **dict.fromkeys((HandleDone, HandleFailed, PeerDisconnected), Source.TRANSFER),
+    **dict.fromkeys((NotificationReceived, SendFailed), Source.NOTIFY),
+    Heartbeat: Source.LISTENER,
+    Tick: Source.TIMER,
+}
 
 __all__ = ["EXTRA_FAULTS", "FAULTS", "Choice", "InvariantViolation", "Scenario", "Variant", "World"]
 
@@ -374,7 +385,8 @@ class World:
             invariant(self)
 
     def fail(self, message: str) -> None:
-        raise InvariantViolation(f"{message}\nafter {self.step_no} steps:\n" + "\n".join(self.journal))
+        raise InvariantViolation(f"{message}\nafter {len(self.chosen)} chosen steps ({self.step_no} in all):\n"
+                                 + "\n".join(self.journal))
 
     # --- running the cores ---------------------------------------------------------------------
 
@@ -399,7 +411,7 @@ class World:
         self.apply(target, ev)
 
     def _ev(self, cls: type, **fields: Any) -> Any:
-        return cls(source=Source.CORE, t_ns=self.now, **fields)
+        return cls(source=_SOURCES[cls], t_ns=self.now, **fields)
 
     # --- schedulers ------------------------------------------------------------------------------
 
@@ -677,6 +689,7 @@ class World:
     def drain(self, limit: int = 400) -> None:
         """Let everything pending happen without faults, then time pass and the scheduler collect."""
         self.settling = True
+        self.journal.append("     then the world settles (no faults; these steps follow from the ones above):")
         for _ in range(limit):
             heads = [c for c in self.enabled() if not c.name.startswith(("fault", "scheduler: decode aborts",
                                                                          "scheduler: decode heartbeats",
