@@ -101,7 +101,8 @@ def make_rows(n: int) -> list[Row]:
             blocks = tuple(range(i % 97, i % 97 + 1 + i % 13))
             deadline = Deadline("monotonic", t + 5_000_000_000) if i % 3 == 0 else None
             core.submit(ReadRequested(source="scheduler", t_ns=t, request_id=rid, remote_request_id=f"p-{rid}",
-                                      engine_id=engine_id, remote_tp=2, host="10.0.0.7", port=5600, local_blocks=blocks,
+                                      engine_id=engine_id, remote_tp=2, host="10.0.0.7", port=5600 + i % len(engines),
+                                      local_blocks=blocks,
                                       remote_blocks=tuple(b + 1000 for b in blocks), deadline=deadline))
             core.submit(HandleDone(source="xfer-1", t_ns=t + 10, request_id=rid, pp_rank=0, tp_rank=0))
         elif kind == 6:  # a failed read
