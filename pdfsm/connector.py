@@ -350,7 +350,8 @@ class Connector:
     def heartbeat(self, params: KVTransferParams | Mapping[str, Any], extend_ns: int) -> int:
         """Tell the producer a queued request will still be read: extend its lease by ``extend_ns``.
 
-        Sent only to producer engines already connected; returns how many ranks were told.
+        Sent only to producer engines already connected, at the params' address; returns how many
+        ranks were told.
         """
         self._open()
         p = KVTransferParams.parse(params)
@@ -362,7 +363,7 @@ class Connector:
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         told = 0
         for pp, tp in ranks:
-            if self.core.engine_connected((p.remote_engine_id, pp)):
+            if self.core.engine_connected((p.remote_engine_id, pp), p.remote_host, p.remote_port):
                 try:
                     self.transport.send((p.remote_engine_id, pp), tp, msg)
                     told += 1

@@ -153,7 +153,7 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
     did, PR 18903: the engine id check of the handshake passes for both), or its validated reply's
     TP or PP size, or a block id it does not have. Reading with such params would move another
     engine's blocks, the wrong slices or the wrong blocks, and notify the wrong ranks."""
-    if req.port and e.port and (req.port != e.port or req.host != e.host):  # port 0: no address given
+    if placed_elsewhere(e, req.host, req.port):
         return (f"the params place {req.engine_id} at {req.host}:{req.port}; pp_rank {pp} was handshaken at "
                 f"{e.host}:{e.port} (two engines share one engine id, or it moved)")
     r = e.reply
@@ -167,10 +167,14 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
     return None
 
 
+def placed_elsewhere(e: RemoteEngine, host: str, port: int) -> bool:
+    """Params place the engine at another address than it was handshaken at (port 0: none given)."""
+    return bool(port and e.port and (port != e.port or host != e.host))
+
+
 def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
-    """(pp_rank, why) for each connected engine a request with blocks to read contradicts."""
-    if not req.local_blocks:
-        return
+    """(pp_rank, why) for each connected engine a request contradicts (a notify-only one too: it
+    would notify the wrong ranks, or another engine)."""
     for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
         e = core.engines.get((req.engine_id, pp))
         if e is not None and e.state is CONNECTED:
@@ -224,6 +228,14 @@ def _disagrees(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 
 def _disagrees_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     return m.req is not None and disagreement(m.req, core) is not None
+
+
+def _disagrees_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return not ev.local_blocks and _disagrees(m, ev, core)
+
+
+def _disagrees_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    return m.req is not None and not m.req.local_blocks and _disagrees_when_ready(m, ev, core)
 
 
 def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -458,10 +470,32 @@ def _refuse_contradiction(m: ConsumerRequest, ev: ReadRequested, core: Core) -> 
     contradicts, and no read to the old agent would ever say so (smg 2382). So each engine that
     contradicts is also asked to be evicted (it is, unless a read still holds it): the next
     request handshakes afresh instead of being refused for ever."""
-    found = list(contradictions(ev, core))
-    _refuse(m, ev, core, found[0][1], True)
+    _refuse(m, ev, core, _evict_contradicted(ev, core, ev.t_ns), True)
+
+
+def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
+    """Ask to evict every connected engine the request contradicts; returns the first reason."""
+    found = list(contradictions(req, core))
     for pp, _ in found:
-        core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=ev.engine_id, pp_rank=pp))
+        core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
+    return found[0][1] if found else ""
+
+
+def _drop_contradicted(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    """Notify-only params that contradict a connected engine: notifying it would tell the wrong
+    ranks, or another engine, of a request it does not hold. Nobody is told (the producer's lease
+    releases its blocks) and, as for a read, the engine is asked to be evicted."""
+    _accept(m, ev, core)
+    _fail(m, _evict_contradicted(ev, core, ev.t_ns), True)
+    core.finished(m, "dropped", ev.t_ns)
+
+
+def _drop_contradicted_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    assert m.req is not None
+    _fail(m, disagreement(m.req, core) or "", True)
+    m.waiting &= ~(1 << ev.pp_rank)  # the ready engine already forgot it
+    _stop_waiting(m, core)
+    core.finished(m, "dropped", ev.t_ns)
 
 
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -685,6 +719,9 @@ TABLE: Final[Table] = Table(
             Go(S.FAILED, _refuse_layout, when=_bad_topology, fault=local,
                reason="the engines' layouts cannot exchange KV blocks"),
             Go(S.FAILED, _refuse_lease_over, when=_lease_over),
+            Go(S.RELEASED, _drop_contradicted, when=_disagrees_notify_only, fault=remote,
+               reason="the params contradict the producer's handshake reply; producer left to its lease",
+               explain=_why),
             Go(S.FAILED, _refuse_contradiction, when=_disagrees, fault=remote,
                reason="the params contradict the producer's handshake reply", explain=_why),
             Go(S.HANDSHAKING, _wait_for_engines, when=_engines_pending),
@@ -703,6 +740,9 @@ TABLE: Final[Table] = Table(
             Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
             Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
             Go(S.HANDSHAKING, _rewatch_lost, when=_held_engine_lost),
+            Go(S.RELEASED, _drop_contradicted_when_ready, when=_disagrees_notify_only_when_ready, fault=remote,
+               reason="the params contradict the producer's handshake reply; producer left to its lease",
+               explain=_why),
             Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
             Go(S.FAILED, _timed_out_ready, when=_past_deadline),
             Go(S.FAILED, _refused_when_ready, when=_disagrees_when_ready, fault=remote,

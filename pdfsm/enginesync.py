@@ -41,6 +41,7 @@ pickle, and nothing pdfsm receives is unpickled. torch is imported lazily, so
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import uuid
 from typing import TYPE_CHECKING, Any, Final
@@ -97,6 +98,19 @@ def _unpack(buffer: bytes) -> str:
     return buffer[_LENGTH.size:_LENGTH.size + n].decode("utf-8")
 
 
+_FINGERPRINTS: Final = 1 << 62  # fingerprints are taken modulo this: f and -f both fit an int64
+_SHARED_FIELDS: Final = ("tp_size", "pp_size", "mla", "block_size", "compat_hash")
+
+
+def _layout_fingerprint(fields: dict[str, Any]) -> int:
+    """A number every rank of one engine computes alike from the layout fields it must share (its
+    peers read every rank with one plan), whatever the rank: a rank that differs is caught in the
+    sync's first collective, on every rank, instead of by a peer's reads going wrong."""
+    defaults = CoreConfig(engine_id="x")
+    shared = [repr(fields.get(name, getattr(defaults, name))) for name in _SHARED_FIELDS]
+    return int.from_bytes(hashlib.blake2b("\0".join(shared).encode(), digest_size=8).digest()) % _FINGERPRINTS
+
+
 def _default_device(dist: Any, group: ProcessGroup | None) -> torch.device:
     import torch
 
@@ -112,6 +126,7 @@ def sync_engine_id(
     *,
     src: int = 0,
     device: str | torch.device | None = None,
+    fingerprint: int = 0,
 ) -> str:
     """Every rank of ``group`` adopts group rank ``src``'s engine id, which is returned on every rank.
 
@@ -129,7 +144,11 @@ def sync_engine_id(
     misconfiguration even though its id would be replaced), when any rank's ``src``
     is not a rank of the group, or when the ranks name different ``src``: the
     ranks agree on that in a first collective, so none is left waiting in the
-    broadcast. Only this rank raises, before any collective, when torch.distributed
+    broadcast. The same holds when any rank's ``device`` cannot be used there (a
+    GPU that node lacks: it votes from its default device instead, which a gloo
+    group accepts), and when the ranks pass different ``fingerprint`` values (a
+    number that must be the same on every rank: :func:`engine_config` passes its
+    layout's). Only this rank raises, before any collective, when torch.distributed
     is not initialized or this rank is not in ``group`` (it takes no part in the
     group's collectives then). A rank that never calls it leaves the others waiting
     until the group's timeout.
@@ -144,22 +163,35 @@ def sync_engine_id(
     me, size = dist.get_rank(group), dist.get_world_size(group)
     if me < 0:
         raise InvalidInput("group", "this rank is not a member of the group")
-    dev = torch.device(device) if device is not None else _default_device(dist, group)
+    bad_device = ""
+    try:
+        dev = torch.device(device) if device is not None else _default_device(dist, group)
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # a CUDA device this node lacks
+        dev, bad_device = _default_device(dist, group), f"{type(exc).__name__}: {exc}"
 
     # 1. Agree, so that every rank raises or none does (no rank left waiting in step 2).
     encoded = _encode(engine_id)
     bad_src = isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size
     s = 0 if bad_src else src
-    verdict = torch.tensor([me + 1 if isinstance(encoded, str) else 0, me + 1 if bad_src else 0, s, -s],
-                           dtype=torch.int64, device=dev)
+    f = fingerprint % _FINGERPRINTS if isinstance(fingerprint, int) else -1
+    verdict = torch.tensor([me + 1 if isinstance(encoded, str) else 0, me + 1 if bad_src else 0, s, -s,
+                            me + 1 if bad_device else 0, f, -f], dtype=torch.int64, device=dev)
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
-    id_rank, src_rank, high, low = (int(v) for v in verdict.tolist())
+    id_rank, src_rank, high, low, dev_rank, f_high, f_low = (int(v) for v in verdict.tolist())
+    if dev_rank:
+        why = f"{bad_device} (group rank {me})" if bad_device else f"refused on group rank {dev_rank - 1}"
+        raise InvalidInput("device", f"{why}; no rank adopted an id")
     if src_rank:
         why = f"got {src!r}" if bad_src else f"group rank {src_rank - 1} named one outside it"
         raise InvalidInput("src", f"must be a rank of the group, 0 to {size - 1}: {why}; no rank adopted an id")
     if high != -low:
         raise InvalidInput("src", f"the ranks of the group name different sources ({-low} to {high}); "
                                   "no rank adopted an id")
+    if f_high != -f_low:
+        raise InvalidInput("fingerprint", "the ranks of the group differ (one engine's ranks must share its "
+                                          "layout: tp_size, pp_size, mla, block_size, compat_hash); "
+                                          "no rank adopted an id")
     if id_rank:
         if isinstance(encoded, str):
             raise InvalidInput("engine_id", f"{encoded} (group rank {me}); no rank adopted an id")
@@ -195,7 +227,7 @@ def engine_config(
     """
     eid = new_engine_id() if engine_id is None else engine_id
     if sync:
-        eid = sync_engine_id(eid, group, src=src, device=device)
+        eid = sync_engine_id(eid, group, src=src, device=device, fingerprint=_layout_fingerprint(fields))
     elif isinstance(problem := _encode(eid), str):
         raise InvalidInput("engine_id", problem)
     try:

@@ -467,36 +467,44 @@ def _check_frame(fd: int, offset: int, size: int, cap: int) -> tuple[tuple[Any, 
     return fields, payload
 
 
-def _valid_frame_after(fd: int, start: int, size: int, cap: int, claimed_end: int, link: int | None) -> int | None:
-    """The offset of the first self-consistent frame at or after ``start``, if any (bounded reads),
-    that is not inside a damaged frame's claimed payload (``start``..``claimed_end``) unless it
-    chains to that frame (its prev_crc is ``link``, the damaged frame's stored CRC)."""
-    pos = start
+def _valid_frame_after(fd: int, offset: int, size: int, cap: int, claimed_end: int, link: int | None,
+                      seq: int | None) -> int | None:
+    """The offset of the first self-consistent frame after the damage at ``offset``, if any (bounded
+    reads), that is evidence of later data: past the damaged frame's claimed payload (which ends at
+    ``claimed_end``), or chained to it (its prev_crc is ``link``), or starting at a seq that could
+    follow it (after ``seq``, the damaged frame's, by at most the bytes between them)."""
+    pos = offset + 1
     while pos < size:
         chunk = _pread(fd, min(_SCAN_CHUNK + len(FRAME_MARKER) - 1, size - pos), pos)
         i = chunk.find(FRAME_MARKER)
         while i != -1:
-            got = _check_frame(fd, pos + i, size, cap)
-            if not isinstance(got, str) and (pos + i >= claimed_end or got[0][4] == link):
-                return pos + i
+            at = pos + i
+            got = _check_frame(fd, at, size, cap)
+            if not isinstance(got, str) and (at >= claimed_end or got[0][4] == link
+                                             or (seq is not None and seq < got[0][7] <= seq + at - offset)):
+                return at
             i = chunk.find(FRAME_MARKER, i + 1)
         pos += _SCAN_CHUNK
     return None
 
 
-def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: int, last: bool) -> LogError:
+def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: int, last: bool,
+            seq: int | None = None) -> LogError:
     """Classify damage at ``offset``: a torn tail, or corruption because good data follows it.
 
-    A frame whose header still reads claims a payload; a frame-shaped run of bytes inside it is
-    its payload (records carry a peer's bytes: a handshake reply's metadata), so it is evidence of
-    later data only if it chains to the damaged frame, which the segment's random salt keeps
-    anyone from forging. A corrupted length is caught either way: the real next frame chains."""
+    A frame whose header still reads claims a payload, and records carry peers' bytes (a handshake
+    reply's metadata): a frame-shaped run of them inside a torn last record must not make it
+    corruption. So a frame found inside the claimed payload is evidence of later data only if it
+    chains to the damaged frame (the segment's random salt keeps anyone from forging that) or
+    starts at a seq that could follow the damaged frame's (``seq``): the real next frame always
+    does, whatever of the damaged header was hit, and a peer would have to guess this log's seq
+    to within a few hundred, and even then only make a torn tail read as corruption."""
     claimed_end, link = offset + 1, None
     if size - offset >= FRAME.size:
         fields = FRAME.unpack(_pread(fd, FRAME.size, offset))
         if fields[0] == FRAME_MARKER:
             claimed_end, link = offset + FRAME.size + fields[2], fields[1]
-    after = _valid_frame_after(fd, offset + 1, size, cap, claimed_end, link)
+    after = _valid_frame_after(fd, offset, size, cap, claimed_end, link, seq)
     if after is not None:
         return CorruptLogError(f"{reason}; a valid frame follows at byte {after}", path=path, offset=offset)
     if not last:
@@ -520,7 +528,7 @@ def _walk(path: Path, *, last: bool, cap: int, expect: int | None) -> Iterator[S
         while offset < size:
             got = _check_frame(fd, offset, size, cap)
             if isinstance(got, str):
-                raise _damage(fd, path, offset, got, size=size, cap=cap, last=last)
+                raise _damage(fd, path, offset, got, size=size, cap=cap, last=last, seq=seq)
             (_m, crc, length, count, prev_crc, schema, flags, base, wall, mono), payload = got
             if payload is None:
                 raise LogError(f"frame of {length} bytes is over this reader's cap of {cap} bytes "
