@@ -516,8 +516,9 @@ class Connector:
         for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
             self.abort(rid)
         self.step()
-        self.handshaker.close()
-        self.transport.close()
+        with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
+            self.handshaker.close()
+            self.transport.close()
         self.get_finished()
         self._closed = True
         self.core.log.close()

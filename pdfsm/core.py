@@ -29,7 +29,7 @@ import structlog
 
 from pdfsm import consumer, engine, producer
 from pdfsm.commands import Command
-from pdfsm.errors import LocalProtocolError, RemoteProtocolError
+from pdfsm.errors import LocalProtocolError, OwnerError, RemoteProtocolError
 from pdfsm.events import (
     ALL_EVENTS,
     CONSUMER,
@@ -172,6 +172,7 @@ class Core:
         self._commands: list[Command] = []
         self._derived: deque[Event] = deque()  # events the core concluded, applied after their cause
         self._one: deque[Event] = deque()  # apply()'s queue of one
+        self._pumping: int | None = None  # the thread in pump(), if any
         # Bound methods, not wrappers: one Python frame less on every event (see benchmarks/apply.py).
         self.submit: Final = self.log.submit  # any thread; pump() applies on the owner thread
         self.emit: Final = self._commands.append  # actions: a command for the adapter
@@ -216,16 +217,25 @@ class Core:
     # --- applying ------------------------------------------------------------------------------
 
     def pump(self) -> int:
-        """Apply every queued event, in order, then flush the log; returns how many. Owner thread only."""
-        self.log.owner = threading.get_ident()
-        dropped = self.log.take_dropped()
-        if dropped:
-            self.apply(Dropped(source=Source.CORE, t_ns=self._last_t, count=sum(dropped.values()),
-                               by_source=dict(dropped)))
+        """Apply every queued event, in order, then flush the log; returns how many. Owner thread
+        only: the calling thread becomes the owner; a pump already running on another thread
+        raises :class:`~pdfsm.errors.OwnerError` (a flag, not a lock: misuse is caught, not
+        serialized)."""
+        me = threading.get_ident()
+        if self._pumping not in (None, me):
+            raise OwnerError(f"pump() is running on thread {self._pumping}: one owner at a time")
+        self._pumping = self.log.owner = me
         try:
+            dropped = self.log.take_dropped()
+            if dropped:
+                self.apply(Dropped(source=Source.CORE, t_ns=self._last_t, count=sum(dropped.values()),
+                                   by_source=dict(dropped)))
             return self._drain(self.log.inbox, None)
         finally:
-            self.log.flush()
+            try:
+                self.log.flush()
+            finally:
+                self._pumping = None
 
     def apply(self, ev: Event) -> int:
         """Apply one event and everything it derives, now; returns the event's sequence number.

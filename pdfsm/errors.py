@@ -15,6 +15,7 @@ __all__ = [
     "InvalidInput",
     "LayoutMismatch",
     "LocalProtocolError",
+    "OwnerError",
     "PdfsmError",
     "ProtocolError",
     "RemoteProtocolError",
@@ -67,6 +68,10 @@ class RemoteProtocolError(ProtocolError):
 
 class ConnectorClosed(PdfsmError, RuntimeError):
     """The Connector was shut down: nothing is accepted, and nothing reported, after ``shutdown()``."""
+
+
+class OwnerError(PdfsmError, RuntimeError):
+    """A core was pumped on two threads at once: only one thread may own it at a time."""
 
 
 class ClockDomainError(PdfsmError):

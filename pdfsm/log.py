@@ -23,6 +23,7 @@ encodes both identically (an array), so the file log writes rows as they are.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 from collections import Counter, deque
@@ -140,6 +141,7 @@ class EventLog:
         self.unsunk: Final[list[Row]] = []  # rows not yet handed to the sink; always this one list
         self._room = threading.Condition()
         self._waiting = 0
+        self._owner_waits = 0  # owner_waiting() depth: BLOCK submitters do not wait then
         self._dropped: Counter[str] = Counter()
         self._closed = False
         self.owner: int | None = None  # the owner thread's ident, once known (set by the core)
@@ -166,16 +168,32 @@ class EventLog:
             # what the caller was told is accepted. It drains them at its next pump.
             return True
         with self._room:
-            if self.overflow is Overflow.COUNT:
-                self._dropped[ev.source] += 1
-                return False
-            self._waiting += 1
-            try:
-                while len(self.inbox) >= self.inbox_limit and not self._closed:
-                    self._room.wait(0.05)
-            finally:
-                self._waiting -= 1
-        return True
+            if self.overflow is Overflow.BLOCK:
+                self._waiting += 1
+                try:
+                    while len(self.inbox) >= self.inbox_limit and not self._closed and not self._owner_waits:
+                        self._room.wait(0.05)
+                finally:
+                    self._waiting -= 1
+                if not self._closed:
+                    return True
+            self._dropped[ev.source] += 1  # COUNT, or closed: nobody will ever apply it
+            return False
+
+    @contextlib.contextmanager
+    def owner_waiting(self) -> Iterator[None]:
+        """The owner waits for adapter threads that report as they stop (a transport's ``close()``
+        joining its workers): it cannot make room meanwhile, so their submissions go in over the
+        limit instead of waiting for it (what they still have to report is bounded: each read
+        reports once). Owner thread only."""
+        with self._room:
+            self._owner_waits += 1
+            self._room.notify_all()
+        try:
+            yield
+        finally:
+            with self._room:
+                self._owner_waits -= 1
 
     # --- owner thread ---------------------------------------------------------------------------
     # The core, the log's single writer, appends rows inline on its hot path (a method call

@@ -402,7 +402,11 @@ class TorchTransport:
             self._emit(notification_event(raw, sender=sender, source=Source.NOTIFY, t_ns=now))
 
     def close(self) -> None:
-        """Cancel every read and wait for the workers, which report them; leave the network."""
+        """Cancel every read and wait for the workers, which report them; leave the network.
+
+        On the owner thread with a blocking inbox, call it inside ``log.owner_waiting()`` (the
+        Connector's shutdown does): a worker waiting for room the owner cannot make would wait
+        for ever, and the owner for it."""
         if self._closed:
             return
         self._closed = True

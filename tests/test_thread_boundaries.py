@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from transport_helpers import random_kv, zero_kv
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams, StepOutput
 from pdfsm.core import Core
+from pdfsm.errors import OwnerError
 from pdfsm.events import (
     AbortRequested,
     BadMessage,
@@ -36,11 +37,12 @@ from pdfsm.events import (
     HandshakeFailed,
     HandshakeReply,
     NotificationReceived,
+    Tick,
 )
 from pdfsm.filelog import LogReader
 from pdfsm.filesink import FileSink, FsyncPolicy
 from pdfsm.fsm import Fault
-from pdfsm.log import EventLog, MemorySink, Overflow
+from pdfsm.log import EventLog, MemorySink, Overflow, Row
 from pdfsm.sidechannel import (
     HEADER,
     MAGIC,
@@ -229,10 +231,16 @@ def _torch_pair(log: EventLog, *, reads: int, latency_s: float) -> tuple[Core, T
 
 
 def test_torch_close_with_a_full_blocking_inbox_returns_and_every_read_is_reported() -> None:
-    """close() waits for the workers, which report into a full BLOCK inbox: it must not deadlock."""
+    """close() waits for the workers, which report into a full BLOCK inbox: inside owner_waiting()
+    (as its docstring asks, and the Connector does) it must not deadlock."""
     log = EventLog(inbox_limit=2, overflow=Overflow.BLOCK)
     core, p, d = _torch_pair(log, reads=6, latency_s=10.0)
-    closing = Bounded(d.close)
+
+    def close() -> None:
+        with log.owner_waiting():
+            d.close()
+
+    closing = Bounded(close)
     finished = closing.wait()
     if not finished:  # unblock the workers (a closed log stops BLOCK waits) so the test can end
         log.close()
@@ -763,3 +771,28 @@ def test_close_while_blocked_producers_and_a_slow_writer_push_back_neither_hangs
     assert [r.seq for r in records] == list(range(log.next_seq)) and records == log.records()
     assert acks == sorted(set(acks)) and acks[-1] == log.next_seq - 1 and sink.lost == 0
     assert not [r for r in records if isinstance(r.event, Dropped)]
+
+
+def test_a_pump_while_another_thread_pumps_is_refused_with_owner_error() -> None:
+    """Two threads pumping one core would corrupt its seqs: the second raises OwnerError, nothing lost."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowSink(MemorySink):
+        def write(self, rows: Sequence[Row]) -> None:
+            entered.set()
+            release.wait(5)
+            super().write(rows)
+
+    sink = SlowSink()
+    core = Core(CoreConfig(engine_id="D"), EventLog(sink=sink))
+    core.submit(Tick(source="timer", t_ns=1))
+    pumping = threading.Thread(target=core.pump)
+    pumping.start()
+    assert entered.wait(5)
+    core.submit(Tick(source="timer", t_ns=2))
+    with pytest.raises(OwnerError, match="one owner at a time"):
+        core.pump()
+    release.set()
+    pumping.join(5)
+    assert core.pump() == 1  # the refused pump took nothing: the second tick is applied now
+    assert [r[0] for r in sink.rows] == list(range(len(sink.rows)))
