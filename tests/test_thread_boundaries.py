@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_sidechannel import FakeServer
 from transport_helpers import random_kv, zero_kv
 
 from pdfsm.commands import PostRead
@@ -569,32 +570,6 @@ def test_listener_close_with_slow_connections_stops_every_thread_promptly() -> N
             s.close()
 
 
-class SilentServer:
-    """Accepts connections and never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="silent-server")
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-        self.thread.join(BOUND)
-
-
 def _dead_port() -> int:
     s = socket.create_server(("127.0.0.1", 0))
     port: int = s.getsockname()[1]
@@ -614,7 +589,7 @@ def test_concurrent_handshakes_to_many_engines_make_one_attempt_each_and_report_
         return lambda pp: reply
 
     servers = {name: SideChannelServer(reply_for(name, x)).start() for name, x in producers.items()}
-    silent = SilentServer()
+    silent = FakeServer(None)  # accepts and never answers
     ports = {"P1": servers["P1"].port, "P2": silent.port, "P3": _dead_port(), "P4": servers["P4"].port}
     d_xfer = SimTransport(net, "D0")
     sink = MemorySink()
@@ -656,7 +631,7 @@ def test_concurrent_handshakes_to_many_engines_make_one_attempt_each_and_report_
 
 def test_shutdown_during_a_hanging_handshake_returns_promptly_and_reports_the_request_once() -> None:
     """A handshake stuck on a silent peer (30 s timeout) does not hold shutdown, nor submit afterwards."""
-    silent = SilentServer()
+    silent = FakeServer(None)  # accepts and never answers
     log = EventLog()
     decode = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(SimNetwork(), "D0"),
                        SideChannelHandshaker("D", timeout=30.0, connect_timeout=30.0), log=log)
