@@ -152,8 +152,9 @@ class Side:
     def add(self) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
-        if self.role == "decode":
-            self.conn.load(rid, BLOCKS, msgspec_replace(self.params, rid))
+        if self.role == "decode":  # each live load writes its own local blocks (the Connector checks)
+            local = tuple(range(self.next_id * len(BLOCKS), (self.next_id + 1) * len(BLOCKS)))
+            self.conn.load(rid, local, msgspec_replace(self.params, rid))
         else:
             self.conn.request_finished(rid, BLOCKS)
         self.live.append(rid)
