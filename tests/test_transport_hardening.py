@@ -308,3 +308,12 @@ def test_nixl_never_listens_on_every_interface(devices: str) -> None:
     transport listens on the devices it is given, loopback by default."""
     with pytest.raises(ValueError, match="ucx_devices"):
         NixlTransport(name("wild"), zero_kv(1, 4, 64), ucx_devices=devices)
+
+
+@needs_nixl
+@pytest.mark.parametrize("devices", ["", "all"])
+def test_nixl_refuses_an_inherited_wildcard_ucx_net_devices(devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX_NET_DEVICES from the environment wins over ucx_devices, but not to listen on every interface."""
+    monkeypatch.setenv("UCX_NET_DEVICES", devices)
+    with pytest.raises(ValueError, match="UCX_NET_DEVICES"):
+        NixlTransport(name("wild-env"), zero_kv(1, 4, 64))

@@ -298,7 +298,8 @@ class NixlTransport:
         own default is every interface, each with a listening socket). Loopback by default, like
         the side channel; name the devices that reach the peers on a multi-host deployment. ``""``
         and ``"all"`` (every interface) are refused. A ``UCX_NET_DEVICES`` already in the
-        environment wins.
+        environment wins, unless it is one of those (refused too). NIXL's listen thread, which
+        would bind its metadata port on every interface, is never started.
 
         ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
         ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
@@ -782,7 +783,11 @@ def _net_devices(devices: str) -> Iterator[None]:
     if devices.strip().lower() in ("", "all"):  # UCX would listen on every interface (0.0.0.0)
         raise ValueError("ucx_devices must name the devices UCX may listen on (default 'lo'), not every one")
     with _ENV_LOCK:  # the variable is process-wide: transports built on two threads take turns
-        if "UCX_NET_DEVICES" in os.environ:
+        inherited = os.environ.get("UCX_NET_DEVICES")
+        if inherited is not None:
+            if inherited.strip().lower() in ("", "all"):  # the same wildcard, from the environment
+                raise ValueError(f"UCX_NET_DEVICES={inherited!r} in the environment would make UCX listen on "
+                                 "every interface: name the devices (unset it for loopback)")
             yield
             return
         os.environ["UCX_NET_DEVICES"] = devices
@@ -802,16 +807,20 @@ def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: 
     init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
     init.update(params)
     if delay_us is None or not progress_thread:
-        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
+                                                           enable_listen_thread=False))
         for backend in backends:
             agent.create_backend(backend, init)
         return agent
-    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads)
+    # NIXL's listen thread (off by default) binds its metadata port on every interface: never on.
+    conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=backends, num_threads=num_threads,
+                                 enable_listen_thread=False)
     bindings = getattr(api, "nixlBind", None)
     if bindings is None or not hasattr(bindings, "nixlAgentConfig") or not hasattr(api.nixl_agent, "create_backend"):
         _log.warning("this NIXL's Python API cannot set the progress thread's delay; using NIXL's default")
         return api.nixl_agent(name, conf)
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[],
+                                                       enable_listen_thread=False))
     cfg = bindings.nixlAgentConfig()
     cfg.useProgThread = True
     cfg.useListenThread = False
