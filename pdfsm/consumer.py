@@ -125,10 +125,6 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     return min(timeout, trust), trust
 
 
-def deadline_of(ev: ReadRequested, core: Core) -> int:
-    return times_of(ev, core)[0]
-
-
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """The common case: valid, blocks to read, one PP rank, its engine already connected."""
     blocks = ev.local_blocks
@@ -137,7 +133,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     d = ev.deadline
     if d is not None and d.clock != core.config.clock:
         return False
-    if deadline_of(ev, core) <= ev.t_ns:  # as _lease_over: the common case is never a refusal
+    if times_of(ev, core)[0] <= ev.t_ns:  # as _lease_over: the common case is never a refusal
         return False
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False
@@ -153,7 +149,7 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
     did, PR 18903: the engine id check of the handshake passes for both), or its validated reply's
     TP or PP size, or a block id it does not have. Reading with such params would move another
     engine's blocks, the wrong slices or the wrong blocks, and notify the wrong ranks."""
-    if placed_elsewhere(e, req.host, req.port):
+    if e.elsewhere(req.host, req.port):
         return (f"the params place {req.engine_id} at {req.host}:{req.port}; pp_rank {pp} was handshaken at "
                 f"{e.host}:{e.port} (two engines share one engine id, or it moved)")
     r = e.reply
@@ -165,11 +161,6 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
     if r.num_blocks and req.remote_blocks and (top := max(req.remote_blocks)) >= r.num_blocks:
         return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks"
     return None
-
-
-def placed_elsewhere(e: RemoteEngine, host: str, port: int) -> bool:
-    """Params place the engine at another address than it was handshaken at (port 0: none given)."""
-    return bool(port and e.port and (port != e.port or host != e.host))
 
 
 def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
@@ -209,7 +200,7 @@ def _pp_unsupported_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Cor
 
 
 def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
-    return bool(ev.local_blocks) and deadline_of(ev, core) <= ev.t_ns
+    return bool(ev.local_blocks) and times_of(ev, core)[0] <= ev.t_ns
 
 
 def _past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
@@ -491,10 +482,9 @@ def _drop_contradicted(m: ConsumerRequest, ev: ReadRequested, core: Core) -> Non
 
 
 def _drop_contradicted_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    """As :func:`_drop_contradicted`, found once the engine is ready: nobody is told."""
     assert m.req is not None
-    _fail(m, disagreement(m.req, core) or "", True)
-    m.waiting &= ~(1 << ev.pp_rank)  # the ready engine already forgot it
-    _stop_waiting(m, core)
+    _stop_when_ready(m, ev, core, disagreement(m.req, core) or "")
     core.finished(m, "dropped", ev.t_ns)
 
 
@@ -592,12 +582,16 @@ def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     _last_stopped(m, ev, core)
 
 
-def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
+def _stop_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
     """The last engine is ready but the request will not read: nothing was posted, so nobody is
     notified (the producer's lease releases its blocks). The ready engine already forgot it."""
     _fail(m, error, True)
     m.waiting &= ~(1 << ev.pp_rank)
     _stop_waiting(m, core)
+
+
+def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
+    _stop_when_ready(m, ev, core, error)
     core.ready(m)
 
 

@@ -427,7 +427,7 @@ class Core:
     def engine_connected(self, key: EngineKey, host: str = "", port: int = 0) -> bool:
         """Connected (and, given an address, handshaken at that address)."""
         e = self.engines.get(key)
-        return e is not None and e.state is engine.S.CONNECTED and not consumer.placed_elsewhere(e, host, port)
+        return e is not None and e.state is engine.S.CONNECTED and not e.elsewhere(host, port)
 
     def watch(self, request_id: str, key: EngineKey, host: str, port: int, t_ns: int) -> None:
         self.derive(EngineWanted(source=Source.CORE, t_ns=t_ns, engine_id=key[0], pp_rank=key[1],

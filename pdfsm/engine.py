@@ -99,6 +99,10 @@ class RemoteEngine:
     def __repr__(self) -> str:
         return f"RemoteEngine({self.engine_id!r}, pp_rank={self.pp_rank}, {self.state})"
 
+    def elsewhere(self, host: str, port: int) -> bool:
+        """``host:port`` is another address than the one it was handshaken at (port 0: none given)."""
+        return bool(port and self.port and (port != self.port or host != self.host))
+
     @property
     def key(self) -> tuple[str, int]:
         return (self.engine_id, self.pp_rank)

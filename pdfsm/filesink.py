@@ -393,22 +393,23 @@ class FileSink:
             self._add_chunk(rows[i:i + size])
 
     def _add_chunk(self, chunk: list[Row]) -> None:
+        """One frame for the chunk; halves when it is over the cap or a record of it does not
+        encode; a gap that says why for a single such record (never a dead writer)."""
         try:
             payload = self._encode(chunk)
         except (msgspec.EncodeError, ValueError, TypeError, OverflowError) as exc:  # a lone surrogate, say
-            if len(chunk) == 1:  # like an oversized record: a gap that says why, never a dead writer
-                self._add_gap(chunk[0][0], 1, f"record does not encode: {type(exc).__name__}: {exc}")
+            why = f"record does not encode: {type(exc).__name__}: {exc}"
+        else:
+            if len(payload) + FRAME.size <= self.max_frame_bytes:
+                self._add_frame(payload, len(chunk), chunk[0][0], 0)
                 return
-            payload = b""
-        if not payload or len(payload) + FRAME.size > self.max_frame_bytes:
-            if len(chunk) == 1:
-                self._add_gap(chunk[0][0], 1, f"record encodes to {len(payload)} bytes, over the frame cap")
-                return
-            half = len(chunk) // 2
-            self._add_chunk(chunk[:half])
-            self._add_chunk(chunk[half:])
+            why = f"record encodes to {len(payload)} bytes, over the frame cap"
+        if len(chunk) == 1:
+            self._add_gap(chunk[0][0], 1, why)
             return
-        self._add_frame(payload, len(chunk), chunk[0][0], 0)
+        half = len(chunk) // 2
+        self._add_chunk(chunk[:half])
+        self._add_chunk(chunk[half:])
 
     def _add_gap(self, first: int, count: int, reason: str) -> None:
         self._add_frame(self._encode({"reason": reason}), count, first, FLAG_GAP)

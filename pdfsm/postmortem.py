@@ -670,8 +670,7 @@ def replay_command(args: argparse.Namespace) -> int:
     if isinstance(ats, str):  # a usage error, found before any log is read: --json still prints its document
         print(f"pdfsm replay: {ats}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": int(Exit.USAGE), "logs": [],
-                              "request": None, "error": ats}))
+            print(json.dumps({**to_json([], [], [], None, timelines=0, exit_code=Exit.USAGE), "error": ats}))
         return Exit.USAGE
     progress = make_progress(args.progress, json_mode=args.json)
     logs = load_all(args.logs, repair=args.repair, progress=progress)

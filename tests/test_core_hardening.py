@@ -182,7 +182,7 @@ def test_load_refuses_a_lease_start_in_the_future_such_as_a_wall_clock_time() ->
     """load(..., lease_start_ns=X) is 'when the params arrived, on the connector's clock'. A
     value after the connector's now cannot be that, and is what an embedder passing
     time.time_ns() (wall clock) instead of the monotonic clock gives (vLLM PR 50326's mix-up):
-    deadline_of then computes start + lease - margin far in the future, so the lease bound is
+    times_of then computes start + lease - margin far in the future, so the lease bound is
     silently disabled and a read that completes after the producer reused its blocks is
     trusted. load() accepts it. Correct: InvalidInput naming lease_start_ns."""
     pair = _Pair(p_lease_ns=10_000, d_config={"lease_margin_ns": 100})

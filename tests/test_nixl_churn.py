@@ -9,11 +9,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from test_nixl_transport import _listening_addresses
+from test_nixl_transport import _listening_addresses, stuck
 from transport_helpers import random_kv, zero_kv
 
 from pdfsm.commands import PostRead
@@ -36,18 +35,6 @@ _names = itertools.count()
 
 def name(prefix: str) -> str:
     return f"r14{prefix}-{os.getpid()}-{next(_names)}"
-
-
-def stuck(agent: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
-    """Every poll of ``agent`` says PROC (a slow READ) until the returned function is called."""
-    real = agent.check_xfer_state
-    monkeypatch.setattr(agent, "transfer", lambda h, *a: (agent.__class__.transfer(agent, h, *a), "PROC")[1])
-    monkeypatch.setattr(agent, "check_xfer_state", lambda h: "PROC")
-
-    def unstick() -> None:
-        monkeypatch.setattr(agent, "check_xfer_state", real)
-
-    return unstick
 
 
 def reply_of(t: NixlTransport, engine: str = "P") -> HandshakeReply:

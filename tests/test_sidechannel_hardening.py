@@ -5,19 +5,16 @@ for, and failed before its fix (but the control, which checks the frames the oth
 from __future__ import annotations
 
 import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
 import structlog
+from test_sidechannel import FakeServer
 
 from pdfsm.connector import Connector
 from pdfsm.events import BadMessage, CoreConfig, HandshakeReply, NotificationReceived, RankInfo
 from pdfsm.sidechannel import (
-    FLAG_MAC,
-    HEADER,
-    MAC_BYTES,
     ErrorCode,
     ErrorReply,
     HandshakeRequest,
@@ -76,33 +73,6 @@ def exchange(port: int, data: bytes, timeout: float = 3.0) -> bytes:
         except ConnectionResetError:
             pass
         return out
-
-
-class FakeServer:
-    """Answers each connection with ``respond(request frame)``."""
-
-    def __init__(self, respond: Callable[[bytes], bytes]) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.respond = respond
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                header = conn.recv(HEADER.size, socket.MSG_WAITALL)
-                _, flags, _, length = HEADER.unpack(header)
-                rest = conn.recv(length + (MAC_BYTES if flags & FLAG_MAC else 0), socket.MSG_WAITALL)
-                conn.sendall(self.respond(header + rest))
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
 
 
 @pytest.fixture

@@ -775,17 +775,22 @@ class _Never(Exception):
 _ENV_LOCK: Final = threading.Lock()
 
 
+def _every_interface(devices: str) -> bool:
+    """``UCX_NET_DEVICES`` values that make UCX listen on every interface (0.0.0.0)."""
+    return devices.strip().lower() in ("", "all")
+
+
 @contextmanager
 def _net_devices(devices: str) -> Iterator[None]:
     """``UCX_NET_DEVICES`` for the backends created inside (UCX reads it when a backend creates
     its context), unless the environment already says. NIXL's own ``ucx_devices`` parameter
     left UCX listening on every interface here."""
-    if devices.strip().lower() in ("", "all"):  # UCX would listen on every interface (0.0.0.0)
+    if _every_interface(devices):
         raise ValueError("ucx_devices must name the devices UCX may listen on (default 'lo'), not every one")
     with _ENV_LOCK:  # the variable is process-wide: transports built on two threads take turns
         inherited = os.environ.get("UCX_NET_DEVICES")
         if inherited is not None:
-            if inherited.strip().lower() in ("", "all"):  # the same wildcard, from the environment
+            if _every_interface(inherited):
                 raise ValueError(f"UCX_NET_DEVICES={inherited!r} in the environment would make UCX listen on "
                                  "every interface: name the devices (unset it for loopback)")
             yield

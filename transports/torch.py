@@ -149,10 +149,10 @@ _Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
 
 
 class _Read:
-    __slots__ = ("cancel", "cmd", "peer", "plan", "remote")
+    __slots__ = ("cancel", "cmd", "plan", "remote")
 
     def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan) -> None:
-        self.cmd, self.remote, self.peer, self.plan = cmd, remote, remote.agent, plan
+        self.cmd, self.remote, self.plan = cmd, remote, plan
         self.cancel = threading.Event()
 
 
@@ -328,7 +328,7 @@ class TorchTransport:
             if why is None:
                 note = read.cmd.notification
                 try:
-                    self.network.deliver(self.agent_name, read.peer, notify_codec.encode(note))
+                    self.network.deliver(self.agent_name, read.remote.agent, notify_codec.encode(note))
                 except TransportError as exc:
                     why, detail = HandleFailure.DISCONNECTED, f"notification not delivered: {exc}"
         except Exception as exc:  # noqa: BLE001 - a failing copy fails the handle, never the worker
@@ -358,8 +358,8 @@ class TorchTransport:
     def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
         if self.latency_s and read.cancel.wait(self.latency_s):
             return HandleFailure.CANCELLED, "cancelled before the copy started"
-        if self.network.reachable(read.peer) is None:
-            return HandleFailure.DISCONNECTED, f"{read.peer} went away"
+        if self.network.reachable(read.remote.agent) is None:
+            return HandleFailure.DISCONNECTED, f"{read.remote.agent} went away"
         chunk = self.chunk_bytes
         for lk, rk, descs in read.plan:
             dst = self.flat[lk]
@@ -367,14 +367,14 @@ class TorchTransport:
                 for start in range(0, length, chunk):
                     if read.cancel.is_set():
                         return HandleFailure.CANCELLED, "cancelled; the copy stopped"
-                    peer = self.network.reachable(read.peer)
+                    peer = self.network.reachable(read.remote.agent)
                     if peer is None:
-                        return HandleFailure.DISCONNECTED, f"{read.peer} went away"
+                        return HandleFailure.DISCONNECTED, f"{read.remote.agent} went away"
                     n = min(chunk, length - start)
                     dst[loff + start:loff + start + n].copy_(peer.flat[rk][roff + start:roff + start + n])
         # A copy_ touching GPU memory only enqueues it: the read is done (and the producer told, so
         # it may free the blocks) once the bytes are in place, so wait for every device involved.
-        peer = self.network.reachable(read.peer)
+        peer = self.network.reachable(read.remote.agent)
         for device in self.devices | (peer.devices if peer is not None else set()):
             torch.cuda.synchronize(device)
         return None, ""
