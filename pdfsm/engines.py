@@ -270,6 +270,7 @@ class Engine:
             if core.engine_connected(key):
                 w.transport.send(key, 0, Notification("never-prefilled", 0, 1))
                 return
+        emit(Result(ev="error", rid="never-prefilled", reason="no connected producer to forge a notification to"))
 
     def apply(self, op: Op) -> None:
         if isinstance(op, Prefill):
@@ -353,7 +354,8 @@ class Engine:
 
     def finish(self, op: Finish) -> None:
         deadline = time.monotonic() + op.grace_s
-        while (self.held or self._live()) and time.monotonic() < deadline:
+        settle = time.monotonic() + min(0.2, op.grace_s)  # what peers sent just before is polled in too
+        while (self.held or self._live() or time.monotonic() < settle) and time.monotonic() < deadline:
             self.step()
             time.sleep(0.001)
         local = remote = 0

@@ -358,7 +358,9 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
             for rid in set(in_flight) - loaded:  # prefilled on a dead engine: never handed on
                 del in_flight[rid]
             started = done + len(in_flight)
-        if "forge-notification" in faults and done >= 2:
+        # As soon as the decode side is connected (a request done): forged late, with every request
+        # released, it could reach the producer after the run had told it to finish.
+        if "forge-notification" in faults and done >= 1:
             decode.send(Forge())
             faults.discard("forge-notification")
         progress.in_flight = len(in_flight)
