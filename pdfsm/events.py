@@ -128,7 +128,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     strict: bool = False
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag=True):
+class Event(msgspec.Struct, frozen=True, gc=False, tag=True, array_like=True):
     """Base of every event. ``TARGET`` names the kind of machine it is routed to."""
 
     TARGET: ClassVar[int] = CORE

@@ -71,6 +71,7 @@ from typing import Any, Final, Literal, NamedTuple
 import msgspec
 
 from pdfsm.errors import PdfsmError
+from pdfsm.events import ALL_EVENTS
 from pdfsm.log import Record, Row
 
 __all__ = [
@@ -112,7 +113,7 @@ __all__ = [
 MAGIC: Final = b"PDFSMLOG"
 FRAME_MARKER: Final = b"PDFB"
 FORMAT_VERSION: Final = 1
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 HEADER_FIXED: Final = struct.Struct("<8sHHIQ8s")  # magic, format, flags, meta_len, start_seq, salt
 FRAME: Final = struct.Struct("<4sIIIIHHQqq")  # marker, crc, length, count, prev_crc, schema, flags, base, wall, mono
 _FRAME_TAIL: Final = struct.Struct("<IIIHHQqq")  # FRAME from byte 8: what the crc covers before the payload
@@ -202,9 +203,50 @@ class LogWriteError(LogError):
 Upcaster = Callable[[list[Any]], list[Any]]
 """Turns one decoded row (plain msgpack values) of version v into a row of version v + 1. Pure."""
 
-UPCASTERS: Final[Mapping[int, Upcaster]] = {}
-"""``{v: upcaster from v to v + 1}``. Version 1 is the first; adding version 2 means adding
-``UPCASTERS[1]``, bumping SCHEMA_VERSION and committing tests/golden/v2.pdlog."""
+
+def _field_order() -> dict[Any, tuple[tuple[str, Any], ...]]:
+    """Per event tag, its fields in array order with the plain value of each default
+    (``msgspec.NODEFAULT`` for a required one)."""
+    order: dict[Any, tuple[tuple[str, Any], ...]] = {}
+    for cls in ALL_EVENTS:
+        fields = []
+        for f in msgspec.structs.fields(cls):
+            default = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+            fields.append((f.name, default if default is msgspec.NODEFAULT else msgspec.to_builtins(default)))
+        order[cls.__struct_config__.tag] = tuple(fields)
+    return order
+
+
+_V2_FIELDS: Final = _field_order()
+
+
+def _events_as_arrays(row: list[Any]) -> list[Any]:
+    """Schema 1 to 2: the event, a map of its fields with its class under ``"type"``, becomes an
+    array, its class first, then its fields in declaration order, base class first. A field the
+    map lacks gets its default (or stays missing, for the decoder to name); an unknown class
+    becomes an array of its name alone, for the decoder to refuse by name.
+
+    It reads the field order off today's classes, which lay events out exactly as schema 2 does
+    (the v2 golden file checks it); a schema that changes an event's layout must first freeze
+    that order here as data."""
+    event = row[1]
+    if not isinstance(event, dict):
+        return row
+    values = [event.get("type")]
+    fields = _V2_FIELDS.get(values[0], ())
+    for name, default in fields:
+        if name in event:
+            values.append(event[name])
+        elif default is msgspec.NODEFAULT:
+            break  # required and absent: the array ends short, and decoding names the field
+        else:
+            values.append(default)
+    return [row[0], values, *row[2:]]
+
+
+UPCASTERS: Final[Mapping[int, Upcaster]] = {1: _events_as_arrays}
+"""``{v: upcaster from v to v + 1}``. Adding version N + 1 means adding ``UPCASTERS[N]``,
+bumping SCHEMA_VERSION and committing tests/golden/v<N+1>.pdlog."""
 
 
 def upcast(

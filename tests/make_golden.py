@@ -50,7 +50,7 @@ GOLDEN = Path(__file__).parent / "golden"
 SALT = b"golden01"
 WALL_NS = 1_700_000_000_000_000_000
 MONO_NS = 123_456_789
-META = {"engine_id": "golden-D", "created_ns": WALL_NS, "note": "pdfsm log format 1, schema 1"}
+META = {"engine_id": "golden-D", "created_ns": WALL_NS, "note": f"pdfsm log format 1, schema {SCHEMA_VERSION}"}
 
 
 def golden_rows() -> list[Row]:

@@ -23,7 +23,7 @@ from make_golden import MONO_NS, SALT, WALL_NS, golden_rows
 
 from pdfsm import filelog
 from pdfsm.core import Core
-from pdfsm.events import Collect, CoreConfig, HandleDone, ReadRequested, Tick
+from pdfsm.events import Collect, CoreConfig, HandleDone, HandleFailed, HandleFailure, ReadRequested, Tick
 from pdfsm.filelog import (
     FORMAT_VERSION,
     MAGIC,
@@ -45,7 +45,7 @@ from pdfsm.filelog import (
     write_segment,
 )
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import EventLog, Overflow, Record, Row
+from pdfsm.log import EventLog, Outcome, Overflow, Record, Row
 from pdfsm.replay import QuietLogger
 
 TESTS = Path(__file__).parent
@@ -354,10 +354,12 @@ def test_golden_files_exist_for_every_schema_version() -> None:
 
 @pytest.mark.parametrize("path", _golden_files(), ids=lambda p: p.name)
 def test_golden_file_stays_readable(path: Path) -> None:
-    expected = msgspec.json.decode(path.with_suffix(".json").read_bytes(), type=list[Record])
+    version = int(path.stem[1:])
+    raw = msgspec.json.decode(path.with_suffix(".json").read_bytes())  # the records as that version wrote them
+    expected = msgspec.convert(upcast(raw, version), list[Record])
     reader = LogReader(path)
     assert list(reader) == expected
-    assert {fr.schema for _, fr in reader.frames()} == {int(path.stem[1:])}
+    assert {fr.schema for _, fr in reader.frames()} == {version}
     assert reader.headers[0].format == 1 and reader.headers[0].meta["engine_id"] == "golden-D"
     assert {type(r.event).__name__ for r in expected} >= {"Started", "ReadRequested", "HandshakeDone", "Dropped"}
 
@@ -375,20 +377,45 @@ def test_upcaster_chain_is_applied_in_order_and_is_pure() -> None:
 
 
 def test_reader_upcasts_an_old_schema(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What adding schema 2 looks like: one pure function; v1 files read as v2 records."""
+    """What adding a schema looks like: one pure function; v1 and v2 files read as v3 records,
+    v1 through both upcasters in order."""
 
-    def v1_to_v2(row: list[Any]) -> list[Any]:
+    def v2_to_v3(row: list[Any]) -> list[Any]:
         return [*row[:6], row[6] or "(no reason)", *row[7:]]
 
-    monkeypatch.setattr(filelog, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(filelog.UPCASTERS, 1, v1_to_v2)
-    path = GOLDEN / "v1.pdlog"
-    expected = msgspec.json.decode(path.with_suffix(".json").read_bytes(), type=list[Record])
-    got = read_log(path)
-    assert got == [msgspec.structs.replace(r, reason=r.reason or "(no reason)") for r in expected]
-    monkeypatch.delitem(filelog.UPCASTERS, 1)
+    current = filelog.SCHEMA_VERSION
+    monkeypatch.setattr(filelog, "SCHEMA_VERSION", current + 1)
+    monkeypatch.setitem(filelog.UPCASTERS, current, v2_to_v3)
+    for path in _golden_files():
+        raw = msgspec.json.decode(path.with_suffix(".json").read_bytes())
+        expected = msgspec.convert(upcast(raw, int(path.stem[1:]), current=current), list[Record])
+        got = read_log(path)
+        assert got == [msgspec.structs.replace(r, reason=r.reason or "(no reason)") for r in expected]
+    monkeypatch.delitem(filelog.UPCASTERS, current)
     with pytest.raises(UnsupportedVersionError, match="no upcaster"):
-        read_log(path)
+        read_log(GOLDEN / "v1.pdlog")
+
+
+def test_schema_1_event_maps_become_arrays() -> None:
+    """Schema 2 writes each event as an array (its class, then its fields, base class first);
+    schema 1 wrote a map. The upcaster fills a default the map lacks, leaves a missing required
+    field for the decoder to name, and leaves an unknown class for the decoder to refuse."""
+    ev = HandleFailed(source="x", t_ns=1, request_id="r", pp_rank=0, tp_rank=1, why=HandleFailure.ERR, detail="d")
+    v1 = {"type": "HandleFailed", "source": "x", "t_ns": 1, "request_id": "r", "pp_rank": 0, "tp_rank": 1,
+          "why": "err", "detail": "d"}
+    row = [0, v1, "consumer", "READING", "FAILING", 0, "", None, None]
+    decode = msgspec.msgpack.Decoder(list[Record]).decode
+    assert decode(msgspec.msgpack.encode(upcast([row], 1))) == [Record(0, ev, "consumer", "READING", "FAILING",
+                                                                        Outcome.APPLIED)]
+    assert upcast([row], 1)[0][1] == msgspec.msgpack.decode(msgspec.msgpack.encode(ev))
+    del v1["detail"]  # a field with a default: filled
+    assert decode(msgspec.msgpack.encode(upcast([row], 1)))[0].event == msgspec.structs.replace(ev, detail="")
+    del v1["request_id"]  # required: named by the decoder
+    with pytest.raises(msgspec.ValidationError, match="at least"):
+        decode(msgspec.msgpack.encode(upcast([row], 1)))
+    unknown = [0, {"type": "FromTheFuture", "source": "x", "t_ns": 1}, "core", "-", "-", 0, "", None, None]
+    with pytest.raises(msgspec.ValidationError, match="FromTheFuture"):
+        decode(msgspec.msgpack.encode(upcast([unknown], 1)))
 
 
 def test_future_schema_and_format_versions_are_refused(rows: list[Row], tmp_path: Path) -> None:
@@ -409,16 +436,18 @@ def test_future_schema_and_format_versions_are_refused(rows: list[Row], tmp_path
 
 
 def test_an_event_field_added_later_stays_readable() -> None:
-    """Events are maps: a reader ignores fields it does not know, and fills defaults for missing ones."""
+    """Events are arrays whose fields keep their places: a field added with a default at the end
+    of a leaf class is ignored by an older reader and filled by a newer one, no schema bump."""
     ev = HandleDone(source="x", t_ns=1, request_id="r", pp_rank=0, tp_rank=1)
     row = (0, ev, "consumer", "READING", "NOTIFIED", 0, "", None, None)
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode([row]))
-    raw[0][1]["added_later"] = 42  # a newer writer's optional field
-    del raw[0][1]["source"]  # and one this reader has a default for would be filled (here: required)
-    with pytest.raises(msgspec.ValidationError, match="source"):
-        msgspec.msgpack.Decoder(list[Record]).decode(msgspec.msgpack.encode(raw))
-    raw[0][1]["source"] = "x"
-    assert msgspec.msgpack.Decoder(list[Record]).decode(msgspec.msgpack.encode(raw)) == [Record.of(row)]
+    assert raw[0][1] == ["HandleDone", "x", 1, "r", 0, 1]
+    decode = msgspec.msgpack.Decoder(list[Record]).decode
+    raw[0][1].append(42)  # a newer writer's trailing optional field
+    assert decode(msgspec.msgpack.encode(raw)) == [Record.of(row)]
+    del raw[0][1][-2:]  # an older writer's array, short of a required field: named, never guessed
+    with pytest.raises(msgspec.ValidationError, match="at least"):
+        decode(msgspec.msgpack.encode(raw))
 
 
 # --- the writer ----------------------------------------------------------------------------------
