@@ -98,16 +98,23 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def parse(cls, params: KVTransferParams | Mapping[str, Any]) -> KVTransferParams:
         """Typed, checked params from a router's dict or an instance (whose constructor checks no
-        types or bounds); InvalidInput names the first bad field."""
+        types or bounds); InvalidInput names the first bad field. A dict must say
+        ``remote_tp_size``: defaulted to 1, vLLM's own dict (``tp_size``) or a router's that
+        lost it would plan reads for the wrong ranks (vLLM router PR 191). Keys pdfsm does not
+        know are ignored: routers add their own."""
         if isinstance(params, KVTransferParams):
             params = msgspec.structs.asdict(params)
         elif not isinstance(params, Mapping):
             raise InvalidInput("kv_transfer_params", f"must be a mapping or KVTransferParams, got {params!r}")
         try:
-            return msgspec.convert(dict(params), cls)
+            parsed = msgspec.convert(dict(params), cls)
         except msgspec.ValidationError as exc:
             at = re.search(r"at `\$\.(\w+)", str(exc))  # msgspec names the path of the bad value
             raise InvalidInput(at.group(1) if at else "kv_transfer_params", str(exc)) from None
+        if "remote_tp_size" not in params:  # it plans every read: said, never defaulted
+            hint = " (vLLM's tp_size is pdfsm's remote_tp_size)" if "tp_size" in params else ""
+            raise InvalidInput("remote_tp_size", f"missing from kv_transfer_params: the producer's TP size{hint}")
+        return parsed
 
 
 class ConnectorMetadata(msgspec.Struct, kw_only=True):
@@ -230,8 +237,11 @@ class Connector:
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         # Params already loaded, (engine, remote request) -> local id, the newest tombstones-many:
-        # a second read of them could copy blocks the producer released after the first.
+        # a second read of them could copy blocks the producer released after the first. A load
+        # still live when the count pushes it out moves to _live_loads (never forgotten while live).
         self._loaded: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._live_loads: dict[tuple[str, str], str] = {}
+        self._live_swept = 0  # _live_loads' size after its last sweep
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
         self._writing: dict[int, str] = {}
@@ -253,7 +263,8 @@ class Connector:
         Returns the ``kv_transfer_params`` the router passes to the decode side. The
         blocks come back in :attr:`StepOutput.finished_sending` once every consumer
         rank has read them, or once the lease expired. An id already held (or held and
-        finished, while remembered) is refused: one hold per request.
+        finished, while remembered) is refused: one hold per request, and so is a hold of no
+        blocks (vLLM frees such a request at once and never waits for it to be sent).
         """
         self._open()
         held = self._blocks_held(request_id, block_ids, lease_ns)
@@ -267,6 +278,9 @@ class Connector:
     def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
         blocks = _check_blocks("block_ids", block_ids)
+        if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
+            raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
+                                            "and has no params to give")
         if lease_ns is not None:
             _check_int("lease_ns", lease_ns, low=1)
         self._check_fresh(rid, PRODUCER)
@@ -330,7 +344,7 @@ class Connector:
                 raise InvalidInput("lease_start_ns", f"{lease_start_ns} is after now ({now}) on this connector's clock")
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
-        first = self._loaded.get((p.remote_engine_id, p.remote_request_id))
+        first = self._loaded.get((p.remote_engine_id, p.remote_request_id)) or self._live_load(p)
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
@@ -426,12 +440,28 @@ class Connector:
             state = live.state if live is not None else was
             raise InvalidInput("request_id", f"{rid!r} is already in use on this side ({state or 'queued'})")
 
+    def _live(self, rid: str) -> bool:
+        return rid in self.core.consumers or rid in self._queued[CONSUMER]
+
+    def _live_load(self, p: KVTransferParams) -> str | None:
+        """The live load of these params that the remembered count already pushed out, if any."""
+        rid = self._live_loads.get((p.remote_engine_id, p.remote_request_id))
+        if rid is not None and not self._live(rid):
+            del self._live_loads[(p.remote_engine_id, p.remote_request_id)]
+            return None
+        return rid
+
     def _submit(self, ev: ReadRequested | BlocksHeld) -> None:
         if isinstance(ev, ReadRequested):
             self._queued[CONSUMER].add(ev.request_id)
             self._loaded[(ev.engine_id, ev.remote_request_id)] = ev.request_id
             if len(self._loaded) > self.config.tombstones:
-                self._loaded.popitem(last=False)
+                key, rid = self._loaded.popitem(last=False)
+                if self._live(rid):
+                    self._live_loads[key] = rid
+                    if len(self._live_loads) > 2 * self._live_swept:  # amortized: bounded by the live ones
+                        self._live_loads = {k: r for k, r in self._live_loads.items() if self._live(r)}
+                        self._live_swept = len(self._live_loads)
             if ev.local_blocks:
                 self._writing.update(dict.fromkeys(ev.local_blocks, ev.request_id))
                 self._writes[ev.request_id] = ev.local_blocks

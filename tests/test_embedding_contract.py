@@ -140,7 +140,7 @@ def test_a_lease_beyond_64_bits_is_refused_before_it_kills_the_durable_log(tmp_p
             c.request_finished("huge", [1], lease_ns=2**64)
         else:
             c.load("huge", [1], {"remote_engine_id": "Q", "remote_request_id": "q", "remote_block_ids": (1,),
-                                 "lease_ns": 2**64})
+                                 "remote_tp_size": 1, "lease_ns": 2**64})
     except InvalidInput as err:
         assert err.field == "lease_ns"
     try:
@@ -209,7 +209,7 @@ def test_a_pp_size_mismatch_names_remote_pp_size() -> None:
     c = Connector(CoreConfig(engine_id="D", pp_size=2), SimTransport(net, "D-0"), SimHandshaker(net))
     with pytest.raises(InvalidInput) as err:
         c.load("x", [1], {"remote_engine_id": "P", "remote_request_id": "p", "remote_block_ids": (1,),
-                          "remote_pp_size": 3})
+                          "remote_tp_size": 1, "remote_pp_size": 3})
     assert err.value.field == "remote_pp_size", str(err.value)
 
 
