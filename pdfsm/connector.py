@@ -91,6 +91,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_tp_size: _Size = 1
     remote_pp_size: _Size = 1
     lease_ns: _Duration = 0  # how long the producer holds the blocks (0: unknown)
+    # When the producer handed the params out, on its wall clock (0: not known): the decode side
+    # counts the time they spent on the way (router, queues) against the lease.
+    issued_wall_ns: _Duration = 0
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -123,9 +126,11 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
     reqs_to_recv: dict[str, tuple[tuple[int, ...], KVTransferParams]] = {}
     reqs_to_send: dict[str, tuple[int, ...]] = {}
     aborted: tuple[str, ...] = ()
-    # When each request of reqs_to_recv got its params, on the workers' clock (CLOCK_MONOTONIC is
-    # one clock for every process of a host): ``load``'s ``lease_start_ns``; missing means now.
-    lease_starts: dict[str, int] = {}
+    # How long before this metadata was built each request of reqs_to_recv got its params (ns,
+    # measured on the scheduler's own clock): a duration, so a worker on another node (another
+    # CLOCK_MONOTONIC) still counts the lease right. The worker passes ``now - age`` as ``load``'s
+    # ``lease_start_ns``; missing means now.
+    lease_ages: dict[str, int] = {}
 
 
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -222,6 +227,7 @@ class Connector:
         *,
         log: EventLog | None = None,
         clock: Clock = time.monotonic_ns,
+        wall_clock: Clock = time.time_ns,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -229,7 +235,7 @@ class Connector:
         self.config = config
         self.host, self.port = host, port
         self.transport, self.handshaker = transport, handshaker
-        self._clock = clock
+        self._clock, self._wall_clock = clock, wall_clock
         self.core = Core(config, log, t_ns=clock())
         transport.bind(self.core.submit, clock)
         handshaker.bind(self.core.submit, clock)
@@ -273,7 +279,7 @@ class Connector:
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
                                 remote_host=self.host, remote_port=self.port, remote_block_ids=held.block_ids,
                                 remote_tp_size=cfg.tp_size, remote_pp_size=cfg.pp_size,
-                                lease_ns=lease_ns or cfg.lease_ns)
+                                lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=self._wall_clock())
 
     def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
@@ -311,12 +317,9 @@ class Connector:
         out, or the request fails. The default, now, is right only when ``load`` runs as
         the params arrive: a request that waited in a queue first must pass its arrival
         time, or a read could be trusted after the producer already reused the blocks.
-        A :meth:`heartbeat` sent at ``t`` that every rank took (it returned all of them),
-        while the lease known then had more than the margin to run, makes the lease known
-        to run until ``t + extend_ns``: pass the later of the arrival and
-        ``t + extend_ns - lease_ns``, capped at now (``t`` when ``extend_ns`` is the lease).
-        Never the heartbeat's time with a shorter extension: the producer extends to its
-        arrival plus ``extend_ns``, no further.
+        Params that say when the producer issued them (``issued_wall_ns``) start the lease no
+        later than that, their time on the way measured on this host's wall clock. A
+        :meth:`heartbeat` does not move the start: nothing confirms the producer got it.
         """
         self._open()
         self._submit(self._read_requested(request_id, local_block_ids, params, lease_start_ns))
@@ -342,6 +345,13 @@ class Connector:
             _check_int("lease_start_ns", lease_start_ns, low=0)
             if lease_start_ns > now:  # another clock's time (wall clock): it would stretch the lease
                 raise InvalidInput("lease_start_ns", f"{lease_start_ns} is after now ({now}) on this connector's clock")
+        if p.issued_wall_ns and p.lease_ns:
+            # The params' time on the way, on the two hosts' wall clocks: a lease counted from
+            # their arrival alone would run past the producer's (vLLM issue 21570). A decode clock
+            # behind the producer's shortens it, by no more than the margin, which covers that skew.
+            transit = self._wall_clock() - p.issued_wall_ns
+            if transit > 0:
+                lease_start_ns = max(0, min(now if lease_start_ns is None else lease_start_ns, now - transit))
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
         first = self._loaded.get((p.remote_engine_id, p.remote_request_id)) or self._live_load(p)
@@ -365,7 +375,9 @@ class Connector:
         """Tell the producer a queued request will still be read: extend its lease by ``extend_ns``.
 
         Sent only to producer engines already connected, at the params' address; returns how many
-        ranks were told.
+        ranks were told. It keeps the producer's blocks from being reused under a read already
+        running; what this side trusts still ends with the lease the params gave (a heartbeat
+        lost on the way would otherwise extend a lease the producer ended, UCCL issue 1015).
         """
         self._open()
         p = KVTransferParams.parse(params)
@@ -394,19 +406,24 @@ class Connector:
         if not isinstance(metadata, ConnectorMetadata):
             raise InvalidInput("metadata", f"must be a ConnectorMetadata, got {type(metadata).__name__}")
         for name, kinds in (("reqs_to_recv", Mapping), ("reqs_to_send", Mapping), ("aborted", (tuple, list)),
-                            ("lease_starts", Mapping)):
+                            ("lease_ages", Mapping)):
             value = getattr(metadata, name)
             if not isinstance(value, kinds):
                 raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
                                          f"got {type(value).__name__}")
         events: list[ReadRequested | BlocksHeld] = []
+        if not set(metadata.lease_ages) <= set(metadata.reqs_to_recv):
+            stray = sorted(set(metadata.lease_ages) - set(metadata.reqs_to_recv), key=str)
+            raise InvalidInput("lease_ages", f"{stray!r} not in reqs_to_recv")
+        now = self._clock()
         for rid, entry in metadata.reqs_to_recv.items():
             if not isinstance(entry, tuple) or len(entry) != 2:
                 raise InvalidInput(f"reqs_to_recv[{rid!r}]", f"must be (local_block_ids, params), got {entry!r}")
-            events.append(self._read_requested(rid, entry[0], entry[1], metadata.lease_starts.get(rid)))
-        if not set(metadata.lease_starts) <= set(metadata.reqs_to_recv):
-            stray = sorted(set(metadata.lease_starts) - set(metadata.reqs_to_recv), key=str)
-            raise InvalidInput("lease_starts", f"{stray!r} not in reqs_to_recv")
+            age = metadata.lease_ages.get(rid)
+            if age is not None:
+                _check_int(f"lease_ages[{rid!r}]", age, low=0)
+            start = None if age is None else max(0, now - age)  # older than the clock: as old as it goes
+            events.append(self._read_requested(rid, entry[0], entry[1], start))
         events += [self._blocks_held(rid, blocks, None) for rid, blocks in metadata.reqs_to_send.items()]
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
         remote = [(ev.engine_id, ev.remote_request_id) for ev in events if isinstance(ev, ReadRequested)]

@@ -203,6 +203,13 @@ def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     return bool(ev.local_blocks) and times_of(ev, core)[0] <= ev.t_ns
 
 
+def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    """Nothing to read and the lease known to be over (past the trust bound, so also with the
+    clocks' skew): the producer releases by itself; a notification now would reach it after its
+    release and look like a read of reused blocks (vLLM PR 41269's late rejection notices)."""
+    return not ev.local_blocks and ev.lease_ns > 0 and times_of(ev, core)[1] <= ev.t_ns
+
+
 def _past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """Too late to start reading."""
     return bool(m.deadline) and ev.t_ns >= m.deadline
@@ -488,6 +495,12 @@ def _drop_contradicted_when_ready(m: ConsumerRequest, ev: EngineReady, core: Cor
     core.finished(m, "dropped", ev.t_ns)
 
 
+def _drop_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _accept(m, ev, core)
+    _fail(m, "the producer's lease is over: it releases the blocks itself, unnotified", False)
+    core.finished(m, "dropped", ev.t_ns)
+
+
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _accept(m, ev, core)
     _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
@@ -713,6 +726,7 @@ TABLE: Final[Table] = Table(
             Go(S.FAILED, _refuse_layout, when=_bad_topology, fault=local,
                reason="the engines' layouts cannot exchange KV blocks"),
             Go(S.FAILED, _refuse_lease_over, when=_lease_over),
+            Go(S.RELEASED, _drop_lease_over, when=_lease_over_notify_only),
             Go(S.RELEASED, _drop_contradicted, when=_disagrees_notify_only, fault=remote,
                reason="the params contradict the producer's handshake reply; producer left to its lease",
                explain=_why),

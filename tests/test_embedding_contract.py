@@ -252,17 +252,17 @@ def test_start_load_kv_takes_the_arrival_of_queued_params() -> None:
     """docs/embedding.md maps vLLM's ``update_state_after_alloc`` to ``reqs_to_recv``, and says a
     request that waited in a queue must pass its arrival as ``lease_start_ns``, or a read could be
     trusted after the producer reused the blocks; the metadata had no way to carry it (every entry
-    started its lease now). ``ConnectorMetadata.lease_starts`` carries it: a request whose params
+    started its lease now). ``ConnectorMetadata.lease_ages`` carries it: a request whose params
     arrived more than a lease ago fails at once, blocks invalid, nothing read."""
     from pdfsm.connector import ConnectorMetadata
 
     w = _connected_world(lease_ns=3_000)
     params = w.prefill("p1", [1])
     w.now = 10_000  # the request queued for longer than the producer's lease
-    w.d[0].start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((5,), params)}, lease_starts={"d1": 100}))
+    w.d[0].start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((5,), params)}, lease_ages={"d1": 9_900}))
     _, recving = w.d[0].get_finished()
     assert recving == {"d1"} and w.d[0].get_block_ids_with_load_errors() == {5}
     assert "lease" in w.d[0].last.failed[0].reason
     with pytest.raises(InvalidInput) as err:  # a start for a request the step does not load
-        w.d[0].start_load_kv(ConnectorMetadata(lease_starts={"ghost": 0}))
-    assert err.value.field == "lease_starts"
+        w.d[0].start_load_kv(ConnectorMetadata(lease_ages={"ghost": 0}))
+    assert err.value.field == "lease_ages"

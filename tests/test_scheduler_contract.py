@@ -321,12 +321,12 @@ _Bad = Callable[[KVTransferParams], dict[str, Any]]
 
 
 @pytest.mark.parametrize(("bad", "field"), [
-    (lambda fresh: {"reqs_to_recv": {"x": ((9,), fresh)}, "lease_starts": {"x": True}}, "lease_start_ns"),
+    (lambda fresh: {"reqs_to_recv": {"x": ((9,), fresh)}, "lease_ages": {"x": True}}, "lease_ages['x']"),
     (lambda fresh: {"reqs_to_recv": {7: ((9,), fresh)}}, "request_id"),
     (lambda fresh: {"reqs_to_send": {"y": "12"}}, "block_ids"),
     (lambda fresh: {"reqs_to_send": {"y": [1.0]}}, "block_ids"),
     (lambda fresh: {"aborted": (5,)}, "aborted"),
-], ids=["lease_start_bool", "request_id_int", "send_blocks_str", "send_blocks_float", "aborted_int"])
+], ids=["lease_age_bool", "request_id_int", "send_blocks_str", "send_blocks_float", "aborted_int"])
 def test_a_step_with_one_ill_typed_entry_is_refused_whole_by_name(bad: _Bad, field: str) -> None:
     """A scheduler's metadata built by hand (or decoded untyped) with one ill-typed entry: the
     step is refused with InvalidInput naming the field, and what was accepted before (a load

@@ -297,7 +297,8 @@ class World:
 
     def load_meta(self) -> ConnectorMetadata:
         assert self.params is not None
-        return ConnectorMetadata(reqs_to_recv={RID: (self.topo.local, self.params)}, lease_starts={RID: self.arrived})
+        return ConnectorMetadata(reqs_to_recv={RID: (self.topo.local, self.params)},
+                                 lease_ages={RID: self.now - self.arrived})
 
     def drive(self, r: Rank, until: Callable[[], bool], meta: ConnectorMetadata | None = None) -> None:
         deadline = time.monotonic() + 10
