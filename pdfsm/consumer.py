@@ -483,9 +483,7 @@ def _drop_contradicted(m: ConsumerRequest, ev: ReadRequested, core: Core) -> Non
     """Notify-only params that contradict a connected engine: notifying it would tell the wrong
     ranks, or another engine, of a request it does not hold. Nobody is told (the producer's lease
     releases its blocks) and, as for a read, the engine is asked to be evicted."""
-    _accept(m, ev, core)
-    _fail(m, _evict_contradicted(ev, core, ev.t_ns), True)
-    core.finished(m, "dropped", ev.t_ns)
+    _drop(m, ev, core, _evict_contradicted(ev, core, ev.t_ns), True)
 
 
 def _drop_contradicted_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
@@ -495,16 +493,19 @@ def _drop_contradicted_when_ready(m: ConsumerRequest, ev: EngineReady, core: Cor
     core.finished(m, "dropped", ev.t_ns)
 
 
-def _drop_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+def _drop(m: ConsumerRequest, ev: ReadRequested, core: Core, error: str, remote_fault: bool) -> None:
+    """Drop a notify-only request before anything is sent: nobody is told, nothing reported."""
     _accept(m, ev, core)
-    _fail(m, "the producer's lease is over: it releases the blocks itself, unnotified", False)
+    _fail(m, error, remote_fault)
     core.finished(m, "dropped", ev.t_ns)
+
+
+def _drop_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _drop(m, ev, core, "the producer's lease is over: it releases the blocks itself, unnotified", False)
 
 
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    _accept(m, ev, core)
-    _fail(m, str(UnsupportedPP(ev.remote_pp - 1)), False)
-    core.finished(m, "dropped", ev.t_ns)
+    _drop(m, ev, core, str(UnsupportedPP(ev.remote_pp - 1)), False)
 
 
 def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -219,25 +220,27 @@ def check_notifications(sc: Scenario, heard: dict[tuple[int, int], list[Notifica
 # --- a read through a transport family, every consumer rank of the engine ------------------------
 
 
-def run_torch(sc: Scenario) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
-    tnet = TorchNetwork()
-    prods: dict[tuple[int, int], TorchTransport] = {}
-    cons: dict[tuple[int, int], TorchTransport] = {}
+def run_ranks(sc: Scenario, make: Callable[..., Any],
+              wait: Callable[[list[Any], dict[tuple[int, int], list[Any]], int, list[Any]], bool],
+              ) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
+    """Every producer and consumer rank of the scenario over one transport family (``make(name,
+    kv, layers=, pp_rank=, tp_rank=, consumer=)``), each consumer rank's reads posted and its
+    notify-only ranks told; then ``wait(d_events, p_events, posted, transports)`` until done."""
+    prods: dict[tuple[int, int], Any] = {}
+    cons: dict[tuple[int, int], Any] = {}
     p_events: dict[tuple[int, int], list[Any]] = defaultdict(list)
     d_events: list[Any] = []
     try:
         for (pp, t), order in sc.p_orders.items():
             kv = sc.registered([sc.p_tensor(pp, t, x) for x in order])
-            prods[(pp, t)] = tr = TorchTransport(tnet, name(f"P{pp}.{t}"), kv, layers=order, pp_rank=pp, tp_rank=t,
-                                                 workers=1)
+            prods[(pp, t)] = tr = make(name(f"P{pp}.{t}"), kv, layers=order, pp_rank=pp, tp_rank=t, consumer=False)
             tr.bind(p_events[(pp, t)].append, time.monotonic_ns)
         out: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         posted = 0
         for (q, d), order in sc.d_orders.items():
             kv = sc.registered([sc.d_init[(q, d)][x] for x in order])
             out[(q, d)] = {x: k.view(torch.uint8) for x, k in zip(order, kv, strict=True)}
-            cons[(q, d)] = tr = TorchTransport(tnet, name(f"D{q}.{d}"), kv, layers=order, pp_rank=q, tp_rank=d,
-                                               workers=1, chunk_bytes=sc.chunk)
+            cons[(q, d)] = tr = make(name(f"D{q}.{d}"), kv, layers=order, pp_rank=q, tp_rank=d, consumer=True)
             tr.bind(d_events.append, time.monotonic_ns)
             plan = sc.plan(q, d)
             for pp in plan.pp_ranks:
@@ -249,9 +252,8 @@ def run_torch(sc: Scenario) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
             for pp, t in plan.notify_only:
                 tr.send(("P", pp), t, note)
         deadline = time.monotonic() + 10
-        while sum(isinstance(e, (HandleDone, HandleFailed)) for e in d_events) < posted:
+        while not wait(d_events, p_events, posted, [*cons.values(), *prods.values()]):
             assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.0005)
         assert all(isinstance(e, HandleDone) for e in d_events), d_events
         for p in prods.values():
             p.progress()
@@ -261,6 +263,24 @@ def run_torch(sc: Scenario) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
     finally:
         for tr in (*cons.values(), *prods.values()):
             tr.close()
+
+
+def _reads_done(d_events: list[Any], posted: int) -> bool:
+    return sum(isinstance(e, (HandleDone, HandleFailed)) for e in d_events) >= posted
+
+
+def run_torch(sc: Scenario) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
+    tnet = TorchNetwork()
+
+    def make(agent: str, kv: list[torch.Tensor], *, consumer: bool, **ranks: Any) -> TorchTransport:
+        extra: dict[str, Any] = {"chunk_bytes": sc.chunk} if consumer else {}
+        return TorchTransport(tnet, agent, kv, workers=1, **ranks, **extra)
+
+    def wait(d_events: list[Any], p_events: Any, posted: int, transports: list[Any]) -> bool:
+        time.sleep(0.0005)  # its worker threads report
+        return _reads_done(d_events, posted)
+
+    return run_ranks(sc, make, wait)
 
 
 def run_sim(sc: Scenario) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
@@ -305,46 +325,22 @@ def run_sim(sc: Scenario) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
 
 
 def run_nixl(sc: Scenario, xfer_mode: Any) -> dict[tuple[int, int], dict[int, torch.Tensor]]:
-    prods: dict[tuple[int, int], Any] = {}
-    cons: dict[tuple[int, int], Any] = {}
-    p_events: dict[tuple[int, int], list[Any]] = defaultdict(list)
-    d_events: list[Any] = []
-    try:
-        for (pp, t), order in sc.p_orders.items():
-            kv = sc.registered([sc.p_tensor(pp, t, x) for x in order])
-            prods[(pp, t)] = tr = NixlTransport(name(f"P{pp}.{t}"), kv, layers=order, pp_rank=pp, tp_rank=t)
-            tr.bind(p_events[(pp, t)].append, time.monotonic_ns)
-        out: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
-        posted = 0
-        for (q, d), order in sc.d_orders.items():
-            kv = sc.registered([sc.d_init[(q, d)][x] for x in order])
-            out[(q, d)] = {x: k.view(torch.uint8) for x, k in zip(order, kv, strict=True)}
-            cons[(q, d)] = tr = NixlTransport(name(f"D{q}.{d}"), kv, layers=order, pp_rank=q, tp_rank=d,
-                                              xfer_mode=xfer_mode)
-            tr.bind(d_events.append, time.monotonic_ns)
-            plan = sc.plan(q, d)
-            for pp in plan.pp_ranks:
-                tr.add_peer(("P", pp), reply(sc, pp, [prods[(pp, t)].rank_info() for t in range(sc.p_tp)]))
-            note = Notification("preq", plan.part, plan.of)
-            for src in plan.sources:
-                tr.post_read(PostRead(f"r{q}.{d}", "P", src, tuple(sc.local), tuple(sc.remote), note))
-                posted += 1
-            for pp, t in plan.notify_only:
-                tr.send(("P", pp), t, note)
-        want_notes = sc.p_tp * sc.p_pp * expected_notifications(sc.p_tp, sc.d_tp)
-        deadline = time.monotonic() + 10
-        while (sum(isinstance(e, (HandleDone, HandleFailed)) for e in d_events) < posted
-               or sum(isinstance(e, NotificationReceived) for v in p_events.values() for e in v) < want_notes):
-            assert time.monotonic() < deadline, "timed out"
-            for tr in (*cons.values(), *prods.values()):
-                tr.progress()
-        assert all(isinstance(e, HandleDone) for e in d_events), d_events
-        check_notifications(sc, {k: [e for e in v if isinstance(e, NotificationReceived)]
-                                 for k, v in p_events.items()})
-        return out
-    finally:
-        for tr in (*cons.values(), *prods.values()):
-            tr.close()
+    want_notes = sc.p_tp * sc.p_pp * expected_notifications(sc.p_tp, sc.d_tp)
+
+    def make(agent: str, kv: list[torch.Tensor], *, consumer: bool, **ranks: Any) -> NixlTransport:
+        extra: dict[str, Any] = {"xfer_mode": xfer_mode} if consumer else {}
+        return NixlTransport(agent, kv, **ranks, **extra)
+
+    def wait(d_events: list[Any], p_events: dict[tuple[int, int], list[Any]], posted: int,
+             transports: list[Any]) -> bool:
+        if _reads_done(d_events, posted) and sum(
+                isinstance(e, NotificationReceived) for v in p_events.values() for e in v) >= want_notes:
+            return True
+        for tr in transports:  # polled by the owner: nothing reports otherwise
+            tr.progress()
+        return False
+
+    return run_ranks(sc, make, wait)
 
 
 def assert_matches_reference(sc: Scenario, got: dict[tuple[int, int], dict[int, torch.Tensor]]) -> None:
