@@ -185,25 +185,33 @@ def msgspec_replace(p: KVTransferParams, rid: str) -> KVTransferParams:
     return msgspec.structs.replace(p, remote_request_id=f"p-{rid}")
 
 
-def step_cost(n: int, changes: int, steps: int) -> float:
-    """Median microseconds of one step on both sides together."""
-    decode, prefill = Side("decode", n), Side("prefill", n)
-    for side in (decode, prefill):  # warm up: every live request has been through a step
-        for _ in range(5):
-            side.step(changes)
+def step_costs(n_sizes: tuple[int, ...], changes: int, steps: int, block: int = 25) -> dict[int, float]:
+    """Median microseconds of one step on both sides together, for each live count.
+
+    The sizes take turns in blocks of ``block`` steps, so that a burst of load from elsewhere
+    on the machine lands on every size alike instead of on whichever was being timed.
+    """
+    sides = {n: (Side("decode", n), Side("prefill", n)) for n in n_sizes}
+    for decode, prefill in sides.values():  # warm up: every live request has been through a step
+        for side in (decode, prefill):
+            for _ in range(5):
+                side.step(changes)
+    samples: dict[int, list[float]] = {n: [] for n in n_sizes}
     gc.collect()
     gc.disable()
-    samples = []
     try:
-        for _ in range(steps):
-            t0 = time.perf_counter_ns()
-            reported = decode.step(changes) + prefill.step(changes)
-            samples.append((time.perf_counter_ns() - t0) / 1e3)
-            assert reported == 2 * changes, f"{reported} finished, expected {2 * changes}"
+        for _ in range(max(1, steps // block)):
+            for n, (decode, prefill) in sides.items():
+                for _ in range(block):
+                    t0 = time.perf_counter_ns()
+                    reported = decode.step(changes) + prefill.step(changes)
+                    samples[n].append((time.perf_counter_ns() - t0) / 1e3)
+                    assert reported == 2 * changes, f"{reported} finished, expected {2 * changes}"
     finally:
         gc.enable()
-    assert len(decode.conn.core.consumers) >= n and len(prefill.conn.core.producers) >= n
-    return statistics.median(samples)
+    for n, (decode, prefill) in sides.items():
+        assert len(decode.conn.core.consumers) >= n and len(prefill.conn.core.producers) >= n
+    return {n: statistics.median(s) for n, s in samples.items()}
 
 
 def traced_memory(role: str, n: int) -> int:
@@ -222,10 +230,10 @@ def traced_memory(role: str, n: int) -> int:
 def measure(quick: bool) -> dict[str, Any]:
     steps = 100 if quick else 300
     rows = []
+    fixed = step_costs(SIZES, CHANGES, steps)
     for n in SIZES:
-        fixed = step_cost(n, CHANGES, steps)
-        one_pct = step_cost(n, max(1, n // 100), max(20, steps // 10))
-        rows.append({"live": n, "step_us": fixed, "step_us_1pct": one_pct,
+        one_pct = step_costs((n,), max(1, n // 100), max(20, steps // 10), block=max(20, steps // 10))[n]
+        rows.append({"live": n, "step_us": fixed[n], "step_us_1pct": one_pct,
                      "us_per_change_1pct": one_pct / (2 * max(1, n // 100))})
     for r in rows:
         for role in ("decode", "prefill"):
