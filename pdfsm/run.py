@@ -11,7 +11,10 @@ handled are the point of some runs: with ``--no-pp`` every request is refused as
 
 Faults (``--fault``) show each failure path ending in a defined state:
 
-- ``kill-prefill``: the prefill process is killed (SIGKILL) while reads are in flight;
+- ``kill-prefill``: the prefill process is killed (SIGKILL) once it holds a request's KV and has
+  handed the params on, before the decode side reads: the reads fail as the peer disconnected
+  (a stop-then-kill sequence that aimed at reads already posted sometimes missed: UCX can
+  finish a read from a stopped process's memory on its own, CMA needing nothing of the peer);
 - ``drop-notification``: the notifications for request p-1 are lost (each prefill worker
   drops the first it gets), so its blocks are released by the lease (shortened for the run);
 - ``forge-notification``: the producer gets a notification for a request it never had;
@@ -327,16 +330,13 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
             if r.ev == "prefilled" and r.params is not None:
                 i = int(r.rid.split("-")[1])
                 kill = "kill-prefill" in faults and not prefill.dead and done >= 2
-                if kill:  # frozen first, so it cannot finish serving the read we are about to start
-                    prefill.proc.send_signal(signal.SIGSTOP)
                 abort = bool(to_abort) and i % 3 == 1
                 to_abort -= abort
-                decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i), abort=abort))
-                loaded.add(f"d-{i}")
-                if kill:
-                    time.sleep(0.3)  # the decode side posts its reads against the frozen producer
+                if kill:  # its KV handed on and held, its reader not yet told: the reads meet a dead peer
                     prefill.kill()
                     releases_due = 0
+                decode.send(Load(rid=f"d-{i}", params=r.params, seed=_seed_of(args, i), abort=abort))
+                loaded.add(f"d-{i}")
             elif r.ev == "released":
                 out.expired += r.expired
                 out.released += not r.expired

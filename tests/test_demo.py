@@ -65,9 +65,10 @@ def test_mla_reads_one_producer_rank_and_notifies_the_other(tmp_path: Path) -> N
 
 
 def test_a_producer_killed_mid_transfer(tmp_path: Path) -> None:
-    """SIGSTOP, reads posted against it, SIGKILL: the in-flight request fails with the recompute
-    policy (its blocks reported invalid to the scheduler), the decode pool is whole, and the
-    decode log replays."""
+    """SIGKILL once the producer has handed a request's params on, before the decode side reads:
+    that request fails with the recompute policy (its blocks reported invalid to the scheduler),
+    the decode pool is whole, and the decode log replays. (Reads already posted when a peer dies
+    are tests/test_nixl_transport.py's.)"""
     out = run(tmp_path, "--fault", "kill-prefill")
     assert out.outcomes["received"] >= 2 and out.outcomes["failed"] >= 1
     assert set(out.outcomes) <= {"received", "failed"}
