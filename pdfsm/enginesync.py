@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
-from pdfsm.errors import InvalidInput, PdfsmError
+from pdfsm.errors import EngineSyncError, InvalidInput, PdfsmError
 from pdfsm.events import CoreConfig
 from pdfsm.wire import MAX_ID_CHARS
 
@@ -150,8 +150,9 @@ def sync_engine_id(
     number that must be the same on every rank: :func:`engine_config` passes its
     layout's). Only this rank raises, before any collective, when torch.distributed
     is not initialized or this rank is not in ``group`` (it takes no part in the
-    group's collectives then). A rank that never calls it leaves the others waiting
-    until the group's timeout.
+    group's collectives then). A rank that never calls it, or dies in it, leaves the
+    others raising :class:`~pdfsm.errors.EngineSyncError` (naming the collective) at the
+    group's timeout or when the backend notices, with no id adopted.
     """
     try:
         import torch
@@ -177,7 +178,10 @@ def sync_engine_id(
     f = fingerprint % _FINGERPRINTS if isinstance(fingerprint, int) else -1
     verdict = torch.tensor([me + 1 if isinstance(encoded, str) else 0, me + 1 if bad_src else 0, s, -s,
                             me + 1 if bad_device else 0, f, -f], dtype=torch.int64, device=dev)
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:  # torch's timeout and broken-peer errors (DistBackendError is one)
+        raise EngineSyncError("agreement (all_reduce)", me, exc) from exc
     id_rank, src_rank, high, low, dev_rank, f_high, f_low = (int(v) for v in verdict.tolist())
     if dev_rank:
         why = f"{bad_device} (group rank {me})" if bad_device else f"refused on group rank {dev_rank - 1}"
@@ -202,7 +206,10 @@ def sync_engine_id(
     # 2. Broadcast src's id: a fixed-size, length-prefixed UTF-8 byte tensor (never pickled).
     payload = _pack(encoded) if me == src else bytes(_BUFFER_BYTES)
     buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-    dist.broadcast(buffer, src=src if group is None else dist.get_global_rank(group, src), group=group)
+    try:
+        dist.broadcast(buffer, src=src if group is None else dist.get_global_rank(group, src), group=group)
+    except RuntimeError as exc:
+        raise EngineSyncError("broadcast", me, exc) from exc
     adopted = _unpack(bytes(buffer.cpu().tolist()))
     _log.info("engine id synced", engine_id=adopted, own=engine_id, group_rank=me, group_size=size, src=src)
     return adopted

@@ -11,6 +11,7 @@ __all__ = [
     "CompatibilityMismatch",
     "ConnectorClosed",
     "EngineIdMismatch",
+    "EngineSyncError",
     "HandshakeError",
     "InvalidInput",
     "LayoutMismatch",
@@ -68,6 +69,17 @@ class RemoteProtocolError(ProtocolError):
 
 class ConnectorClosed(PdfsmError, RuntimeError):
     """The Connector was shut down: nothing is accepted, and nothing reported, after ``shutdown()``."""
+
+
+class EngineSyncError(PdfsmError, RuntimeError):
+    """A collective of the engine-id sync failed on this rank (a rank of the group hung past the
+    group's timeout, died, or the group is broken); this rank adopted no id."""
+
+    def __init__(self, step: str, group_rank: int, cause: BaseException) -> None:
+        super().__init__(f"engine-id sync failed in its {step} on group rank {group_rank}, no id adopted: "
+                         f"{type(cause).__name__}: {cause}")
+        self.step = step
+        self.group_rank = group_rank
 
 
 class OwnerError(PdfsmError, RuntimeError):
