@@ -33,10 +33,11 @@ such file). A segment is a header followed by frames::
      48   L  payload      msgpack array of ``count`` rows; a gap frame: msgpack map {"reason": str}
 
 A row is ``[seq, event, machine, before, state, outcome, reason, fault, cause]``
-(:data:`pdfsm.log.Row`), the event a msgpack map that carries its class name
-under ``"type"``. Each record is individually framed by the msgpack array
-element it is, starts with its own seq (checked against ``base_seq + i``) and
-names its event type; the length, CRC, schema version and write times are
+(:data:`pdfsm.log.Row`), the event a msgpack array: its class name, then its
+fields (schema 1 wrote a map with the class under ``"type"``; an upcaster reads
+it). Each record is individually framed by the msgpack array element it is,
+starts with its own seq (checked against ``base_seq + i``) and names its event
+type; the length, CRC, schema version and write times are
 per frame, because a frame is what one ``write`` puts on disk and one fsync
 acknowledges. Why frames and not one CRC per record: a per-record header, CRC
 call and encode call cost more than encoding the record does in Python; one
