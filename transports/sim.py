@@ -233,8 +233,18 @@ class SimTransport:
         remote = self.peers.get(key, {}).get(tp_rank)
         if remote is None:
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
+        if remote in self.network.dead:  # as the NIXL and torch transports: the engine reported gone, then raise
+            self._lost(key, f"{remote} went away", self._attempts.get(key, 0))
+            raise TransportError(f"{remote}: peer unreachable")
         self.network.deliver(self.agent, remote, notify_codec.encode(message), message.request_id)
         self.sent.append((remote, message))
+
+    def _lost(self, engine: EngineKey, detail: str, attempt: int) -> None:
+        """As NIXL does: an engine whose agent went away is reported gone once."""
+        if engine not in self._disconnected:
+            self._disconnected.add(engine)
+            self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=self._clock(), engine_id=engine[0],
+                                        pp_rank=engine[1], detail=detail, attempt=attempt))
 
     def progress(self) -> None:
         now = self._clock()
@@ -259,11 +269,8 @@ class SimTransport:
             else:
                 self._emit(HandleFailed(source=Source.TRANSFER, t_ns=now, request_id=rid, pp_rank=pp, tp_rank=tp,
                                         why=failure[0], detail=failure[1]))
-                engine = (read.cmd.engine_id, pp)
-                if failure[0] is HandleFailure.DISCONNECTED and engine not in self._disconnected:
-                    self._disconnected.add(engine)  # as NIXL does: the engine is reported gone once
-                    self._emit(PeerDisconnected(source=Source.TRANSFER, t_ns=now, engine_id=engine[0], pp_rank=pp,
-                                                detail=failure[1], attempt=read.attempt))
+                if failure[0] is HandleFailure.DISCONNECTED:
+                    self._lost((read.cmd.engine_id, pp), failure[1], read.attempt)
         for _ in range(len(self.inbox)):
             item = self.inbox.popleft()
             delay, sender, raw = item
