@@ -78,6 +78,7 @@ MAX_DURATION_NS: Final = 1 << 62  # a lease or a timeout: now plus it stays in t
 _Duration = Annotated[int, msgspec.Meta(ge=0, le=MAX_DURATION_NS)]
 _MAX_BLOCK_ID = (1 << 63) - 1  # what every codec and transport index can carry
 _BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0, le=_MAX_BLOCK_ID)], ...]
+_Incarnation = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +95,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # When the producer handed the params out, on its wall clock (0: not known): the decode side
     # counts the time they spent on the way (router, queues) against the lease.
     issued_wall_ns: _Duration = 0
+    # The minting producer rank's transport incarnation (""): a consumer refuses params that name
+    # none of the engine's current ranks (a producer restarted under the same id, smg PR 2492).
+    remote_incarnation: _Incarnation = ""
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -236,6 +240,7 @@ class Connector:
         self.host, self.port = host, port
         self.transport, self.handshaker = transport, handshaker
         self._clock, self._wall_clock = clock, wall_clock
+        self._incarnation = transport.rank_info().incarnation  # what the params this side mints carry
         self.core = Core(config, log, t_ns=clock())
         transport.bind(self.core.submit, clock)
         handshaker.bind(self.core.submit, clock)
@@ -279,7 +284,8 @@ class Connector:
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
                                 remote_host=self.host, remote_port=self.port, remote_block_ids=held.block_ids,
                                 remote_tp_size=cfg.tp_size, remote_pp_size=cfg.pp_size,
-                                lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=self._wall_clock())
+                                lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=self._wall_clock(),
+                                remote_incarnation=self._incarnation)
 
     def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
@@ -363,7 +369,7 @@ class Connector:
             source=Source.SCHEDULER, t_ns=now, request_id=rid, remote_request_id=p.remote_request_id,
             engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
             remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
-            lease_start_ns=lease_start_ns)
+            lease_start_ns=lease_start_ns, incarnation=p.remote_incarnation)
 
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""

@@ -211,6 +211,7 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     deadline: Deadline | None = None
     lease_ns: int = 0  # the producer's lease on the blocks, as its params said (0: unknown)
     lease_start_ns: int | None = None  # when that lease was last (re)started, on this clock; default t_ns
+    incarnation: str = ""  # the minting producer rank's, as its params said ("": not said, not checked)
 
 
 class EngineReady(_ConsumerEvent, frozen=True):
@@ -347,6 +348,9 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tp_rank: int
     agent: str
     metadata: bytes = b""
+    # Drawn afresh each time the worker's transport starts ("": not said): params minted by a
+    # process that has since restarted under the same engine id name none of the new ranks'.
+    incarnation: str = ""
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, kw_only=True, gc=False):

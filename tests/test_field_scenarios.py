@@ -619,8 +619,9 @@ def test_scenario_abort_racing_handshake_completion() -> None:
 def test_vllm_pr_55471_producer_restarted_under_the_same_engine_id_is_handshaken_again() -> None:
     """https://github.com/vllm-project/vllm/pull/55471 -- a prefill peer whose transfer metadata was
     invalidated while it kept the same engine id stayed cached, so later requests kept using the
-    stale path. pdfsm: the read to the dead agent fails (recompute), the engine is marked
-    disconnected, and the next request handshakes again and reads from the new agent."""
+    stale path. pdfsm: the new process's params name an incarnation the cached reply does not, so
+    the request fails before any read to the dead agent (recompute), the stale engine is evicted,
+    and the next request handshakes again and reads from the new agent."""
     pair = Pair()
     warm = pair.p.request_finished("warm", [1])
     pair.d.load("d-warm", [1], warm)
@@ -637,8 +638,8 @@ def test_vllm_pr_55471_producer_restarted_under_the_same_engine_id_is_handshaken
     for _ in range(3):
         pair.d.get_finished()
         failed += pair.d.last.failed
-    assert [(f.request_id, f.policy) for f in failed] == [("d1", "recompute")] and "disconnected" in failed[0].reason
-    assert pair.d.core.engines[("P", 0)].state.name == "DISCONNECTED"
+    assert [(f.request_id, f.policy) for f in failed] == [("d1", "recompute")] and "restarted" in failed[0].reason
+    assert ("P", 0) not in pair.d.core.engines  # evicted: nothing held it
     pair.d.load("d2", [7, 8], p2.request_finished("p2", [2, 3]))  # params are single-use: new ones
     got: list[str] = []
     for _ in range(4):

@@ -16,6 +16,7 @@ PR 28897).
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import Callable
 from typing import Protocol
 
@@ -52,6 +53,11 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     memory_kinds: frozenset[str] = frozenset({"DRAM"})
 
 
+def new_incarnation() -> str:
+    """A fresh token for :attr:`RankInfo.incarnation`: one per transport start, never reused."""
+    return secrets.token_hex(8)
+
+
 def refuse_pp(capabilities: Capabilities, agent: str, pp_rank: int) -> None:
     """Raise if a transport without PP support is asked about a remote rank at ``pp_rank > 0``."""
     if pp_rank > 0 and not capabilities.supports_pp:
@@ -66,7 +72,8 @@ class Transport(Protocol):
         """Where outcomes go and how they are timed; called once, before anything else."""
 
     def rank_info(self) -> RankInfo:
-        """This worker's entry in a handshake reply (agent name, transport metadata)."""
+        """This worker's entry in a handshake reply (agent name, transport metadata, and an
+        incarnation drawn afresh each time the transport starts)."""
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         """Make every remote rank of a validated reply reachable; raise to refuse. ``attempt`` is

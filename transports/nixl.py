@@ -104,7 +104,7 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
-from transports.base import Capabilities, Clock, Submit, TransportError, refuse_pp
+from transports.base import Capabilities, Clock, Submit, TransportError, new_incarnation, refuse_pp
 from transports.coalesce import Region, SliceError, read_descs, read_indices, slice_span
 from transports.layers import LayerError, LayerMap, check_layers
 
@@ -313,6 +313,7 @@ class NixlTransport:
         self._api = import_nixl()
         self._errors = _error_types(self._api)
         self.agent_name = agent_name
+        self.incarnation = new_incarnation()
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.xfer_mode, self.cancel_policy = xfer_mode, cancel_policy
         if pp_rank > 0 and not supports_pp:
@@ -362,7 +363,8 @@ class NixlTransport:
 
     def rank_info(self) -> RankInfo:
         """Thread-safe: no NIXL call (the blob was built at construction)."""
-        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=self._metadata)
+        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=self._metadata,
+                        incarnation=self.incarnation)
 
     # --- peers ----------------------------------------------------------------------------------
 

@@ -83,6 +83,7 @@ class SimNetwork:
         self.default_read = ReadScript()
         self.read_scripts: dict[tuple[str, int, int], ReadScript] = {}
         self.notify_faults: dict[str, deque[tuple[str, int]]] = {}  # producer request id -> actions
+        self.started = 0  # transports started so far: their incarnations, deterministic
 
     def serve(self, host: str, port: int, reply_for: Callable[[int], HandshakeReply]) -> None:
         """Answer handshakes at (host, port): ``reply_for(pp_rank)`` is the reply."""
@@ -149,6 +150,8 @@ class SimTransport:
         if pp_rank > 0 and not supports_pp:  # as the NIXL and torch transports refuse it
             raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.network, self.agent = network, agent
+        network.started += 1
+        self.incarnation = f"sim-{network.started}"
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.capabilities = Capabilities(name="sim", supports_pp=supports_pp, memory_kinds=frozenset({"DRAM"}))
@@ -183,7 +186,8 @@ class SimTransport:
 
     def rank_info(self) -> RankInfo:
         layout = msgspec.msgpack.encode(_Layout(self.num_blocks, self.block_bytes))
-        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout)
+        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout,
+                        incarnation=self.incarnation)
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         refuse_pp(self.capabilities, self.agent, key[1])

@@ -65,7 +65,7 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.wire import NotifyMessage, notification_event, notify_codec
-from transports.base import Capabilities, Clock, Submit, TransportError, refuse_pp
+from transports.base import Capabilities, Clock, Submit, TransportError, new_incarnation, refuse_pp
 from transports.coalesce import Region, SliceError, read_descs
 from transports.layers import LayerError, LayerMap, check_layers
 
@@ -178,6 +178,7 @@ class TorchTransport:
         if pp_rank > 0 and not supports_pp:
             raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.network, self.agent_name = network, agent_name
+        self.incarnation = new_incarnation()
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.latency_s, self.chunk_bytes = latency_s, chunk_bytes
         self.tensors = list(kv_caches)
@@ -221,7 +222,8 @@ class TorchTransport:
     def rank_info(self) -> RankInfo:
         meta = msgspec.msgpack.encode(TorchRankMetadata(tuple(
             (r.stride, r.num_blocks, x) for r, x in zip(self.regions, self.layers, strict=True))))
-        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=meta)
+        return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=meta,
+                        incarnation=self.incarnation)
 
     # --- peers ------------------------------------------------------------------------------------
 

@@ -1,0 +1,206 @@
+"""Production scenarios on the producer side and in topologies (found in review, session 13).
+
+Each test models a real deployment situation (vLLM NixlConnector, SGLang disaggregation, smg,
+NIXL; named in its docstring) on the prefill side or in a heterogeneous topology, and asserts what
+a demanding user would expect from docs/ or from plain correctness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers import collect, ev, handshake, make_core, read, reply
+
+from pdfsm.commands import HandOff, PostRead, SendNotification
+from pdfsm.connector import Connector
+from pdfsm.events import (
+    AbortRequested,
+    CoreConfig,
+    HandshakeDone,
+    HandshakeFailed,
+    PeerAdded,
+    PeerDisconnected,
+    RankInfo,
+    Tick,
+)
+from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
+
+LEASE = 120_000_000_000
+
+
+class Pair:
+    """One producer and one consumer Connector over a simulated network, on a shared clock; the
+    producer can be restarted (a new agent, the same engine id, the same listener)."""
+
+    def __init__(self, *, p_lease_ns: int = LEASE) -> None:
+        self.net, self.now = SimNetwork(), 0
+        self.p_lease_ns = p_lease_ns
+        self.prod = SimTransport(self.net, "P-0")
+        self.prod.fill(range(64))
+        self.p = self._producer(self.prod)
+        self.cons = SimTransport(self.net, "D-0")
+        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h"), self.cons, SimHandshaker(self.net),
+                           clock=self.clock)
+
+    def _producer(self, t: SimTransport) -> Connector:
+        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(t.rank_info(),), num_blocks=t.num_blocks))
+        return Connector(CoreConfig(engine_id="P", compat_hash="h", lease_ns=self.p_lease_ns), t,
+                         SimHandshaker(self.net), clock=self.clock, port=9)
+
+    def restart_producer(self, agent: str) -> None:
+        self.net.kill(self.prod.agent)
+        self.prod = SimTransport(self.net, agent)
+        self.prod.fill(range(64))
+        self.p = self._producer(self.prod)
+
+    def clock(self) -> int:
+        return self.now
+
+    def run(self, steps: int = 4) -> tuple[list[str], list[HandOff], list[str]]:
+        recv: list[str] = []
+        failed: list[HandOff] = []
+        sent: list[str] = []
+        for _ in range(steps):
+            self.now += 1_000
+            recv += sorted(self.d.get_finished()[1])
+            failed += self.d.last.failed
+            sent += sorted(self.p.get_finished()[0])
+        return recv, failed, sent
+
+
+def _notes(cmds: list[Any]) -> list[tuple[int, int, str]]:
+    return [(c.pp_rank, c.tp_rank, c.notification.request_id) for c in cmds if isinstance(c, SendNotification)]
+
+
+# --- PP producer: a request that stops while one PP engine is connected --------------------------------
+
+
+@pytest.mark.parametrize("how", ["handshake-fails", "abort", "deadline", "notify-only-handshake-fails"])
+def test_pp2_producer_request_stopping_while_pp1_handshakes_notifies_the_connected_pp0_ranks(how: str) -> None:
+    """vLLM PR 43366 / SGLang PR 15027 (PP prefill read by a PP 1 decode): the decode worker
+    handshakes each producer PP stage separately. Stage 0 is connected, stage 1's handshake then
+    fails (or the request is aborted, or its deadline passes while stage 1 still handshakes; or a
+    notify-only request, a full local prefix hit, sees stage 1's handshake fail).
+
+    docs/decisions.md ("Failed and aborted consumer requests still notify the producer"): a failed
+    or aborted request notifies each producer rank it did not read, so the producer releases at
+    once instead of waiting for its lease; only a request that *never reached a connected engine*
+    has no connection to notify over. Here stage 0 is connected and held by the request: its ranks
+    can be told, and should be, or stage 0 pins the request's blocks for a whole lease (120 s by
+    default) on every such failure."""
+    core = make_core(read_timeout_ns=1_000)
+    notify_only = how.startswith("notify-only")  # a full local prefix hit: nothing to read, only to tell
+    core.apply(read("r", remote_pp=2, remote_tp=2, blocks=() if notify_only else (1, 2)))
+    core.apply(ev(HandshakeDone, 0, engine_id="P", pp_rank=0, attempt=1, reply=reply("P", tp_size=2, pp_size=2)))
+    core.apply(ev(PeerAdded, 0, engine_id="P", pp_rank=0, attempt=1))  # stage 0 connected; the request holds it
+    assert core.consumers["r"].state.name == "HANDSHAKING"
+    core.take_commands()
+    if how.endswith("handshake-fails"):
+        core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
+    elif how == "abort":
+        core.apply(ev(AbortRequested, 10, request_id="r"))
+    else:
+        core.apply(ev(Tick, 2_000))
+    cmds = core.take_commands() + collect(core, 3_000)
+    outcomes = [c.outcome for c in cmds if isinstance(c, HandOff)]
+    assert outcomes == [] if notify_only else outcomes in (["failed"], ["aborted"])
+    assert sorted(_notes(cmds)) == [(0, 0, "p-r"), (0, 1, "p-r")], (
+        "stage 0's ranks were connected and never read: they are left to their lease")
+
+
+# --- the simulated transport keeps the transport protocol on sends too -----------------------------------
+
+
+def test_sim_send_to_a_killed_producer_reports_the_engine_gone_like_nixl_and_torch() -> None:
+    """docs/transports.md, the protocol table: ``send`` raises on failure "after submitting
+    ``PeerDisconnected`` if the peer is gone" (the NIXL and torch transports do). A full prefix hit
+    (notify-only load) or a heartbeat to a prefill worker that died is such a send. The simulated
+    transport, which the race tester drives, raises without reporting the engine gone, so the
+    engine stays CONNECTED to a dead agent and the failure path the real transports take is never
+    exercised."""
+    pair = Pair()
+    pair.d.load("d-warm", [1], pair.p.request_finished("warm", [1]))
+    pair.run(3)
+    assert pair.d.core.engines[("P", 0)].state.name == "CONNECTED"
+    params = pair.p.request_finished("p1", [2, 3])
+    pair.net.kill("P-0")
+    pair.d.load("d1", [], params)  # notify-only: the whole prompt is in the local prefix cache
+    pair.run(2)
+    losses = [r for r in pair.d.core.log.records() if isinstance(r.event, PeerDisconnected)]
+    assert losses, "no PeerDisconnected after a send to a dead peer"
+    assert pair.d.core.engines[("P", 0)].state.name == "DISCONNECTED"
+
+
+# --- producer restarted under the same engine id while consumers still hold its params -----------------------
+
+
+def test_smg_2492_params_minted_before_a_same_id_producer_restart_are_never_reported_received() -> None:
+    """smg PR 2492 / issue 2491 and vLLM PR 55471: a prefill worker restarts on the same address under
+    the same (configured) engine id. The router still holds params the dead process minted (their
+    lease is not over); the decode side re-handshakes with the new process (same engine id, same
+    layout, so every check passes) and reads the old block ids out of the new process's memory,
+    which never held that request. The new producer then hears of a request it never had (a remote
+    violation, after the fact).
+
+    The decode side must not report such a load as received: the bytes are another request's (or
+    none). pdfsm's handshake reply and params share nothing that tells two incarnations of one
+    engine id apart."""
+    pair = Pair()
+    pair.d.load("d-warm", [1], pair.p.request_finished("warm", [1]))
+    pair.run(3)
+    stale = pair.p.request_finished("p-old", [4, 5])  # minted, then the process dies
+    pair.restart_producer("P-0-restarted")
+    # a request with fresh params finds the old connection dead, and the engine is handshaken again
+    pair.d.load("d1", [10, 11], pair.p.request_finished("p1", [2, 3]))
+    recv, failed, _ = pair.run(4)
+    pair.d.load("d2", [12, 13], pair.p.request_finished("p2", [2, 3]))
+    recv, failed, _ = pair.run(4)
+    assert recv == ["d2"] and not failed
+    # now the router's queued stale params reach the decode side, well inside their lease
+    pair.d.load("d-stale", [20, 21], stale)
+    recv, failed, _ = pair.run(4)
+    assert pair.cons.block(20) == bytes(64)  # nothing was read from the new process's block 4
+    assert [f.request_id for f in failed] == ["d-stale"], (  # handed back failed: its blocks invalid
+        "params of a dead producer incarnation were read from its successor and reported received")
+    assert "incarnation" in failed[0].reason and failed[0].invalid_blocks == (20, 21)
+    # the fresh engine still serves fresh params (evicted at most, and handshaken again)
+    pair.d.load("d3", [30, 31], pair.p.request_finished("p3", [6, 7]))
+    recv, failed, _ = pair.run(6)
+    assert recv == ["d3"] and not failed
+    assert pair.cons.block(30) == pattern("P-0-restarted", 6, 64)
+
+
+def test_a_stopped_request_whose_params_contradict_a_connected_stage_notifies_nobody() -> None:
+    """The same stop, but stage 0's reply says PP 1 where the params say PP 2: the params may name
+    the wrong ranks, so nothing is sent (docs/decisions.md, params checked against the handshake)."""
+    core = make_core(read_timeout_ns=1_000)
+    core.apply(read("r", remote_pp=2, remote_tp=2))
+    handshake(core, pp_rank=0, tp_size=2)  # its reply says PP 1
+    core.take_commands()
+    core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
+    cmds = core.take_commands() + collect(core, 3_000)
+    assert [c.outcome for c in cmds if isinstance(c, HandOff)] == ["failed"]
+    assert _notes(cmds) == []
+
+
+def _pp_replies(core: Any, incarnations: tuple[str, str]) -> None:
+    for pp, inc in enumerate(incarnations):
+        ranks = tuple(RankInfo(pp_rank=pp, tp_rank=t, agent=f"P-{pp}-{t}", incarnation=inc) for t in range(2))
+        core.apply(ev(HandshakeDone, 0, engine_id="P", pp_rank=pp, attempt=1,
+                      reply=reply("P", tp_size=2, pp_size=2, ranks=ranks)))
+        core.apply(ev(PeerAdded, 0, engine_id="P", pp_rank=pp, attempt=1))
+
+
+@pytest.mark.parametrize(("minted_by", "reads"), [("stage1", True), ("gone", False), ("", True)])
+def test_pp_params_are_judged_against_every_stage_incarnation(minted_by: str, reads: bool) -> None:
+    """A PP producer's params are minted by one stage's rank: they are good when any stage of the
+    engine names their incarnation, stale when none does, and unchecked when they name none."""
+    core = make_core()
+    core.apply(read("r", remote_pp=2, remote_tp=2, incarnation=minted_by))
+    _pp_replies(core, ("stage0", "stage1"))
+    cmds = core.take_commands() + collect(core, 1_000)
+    assert any(isinstance(c, PostRead) for c in cmds) is reads
+    if not reads:
+        (off,) = [c for c in cmds if isinstance(c, HandOff)]
+        assert off.outcome == "failed" and "incarnation" in off.reason
