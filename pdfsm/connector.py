@@ -23,7 +23,8 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Annotated, Any, Final, get_args
 
 import msgspec
@@ -147,6 +148,17 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     failed: tuple[HandOff, ...] = ()  # with their policy and reason
     aborted: frozenset[str] = frozenset()
     expired: frozenset[str] = frozenset()  # producer requests released by their lease
+
+
+@contextmanager
+def _naming(batch: str, rid: object) -> Iterator[None]:
+    """An entry of a step refused: say which request's (the embedder fails that one and can
+    resubmit the others), e.g. ``reqs_to_recv['r7'].local_block_ids``."""
+    try:
+        yield
+    except InvalidInput as exc:
+        rid_ok = rid if isinstance(rid, str) else None
+        raise InvalidInput(f"{batch}[{rid!r}].{exc.field}", exc.problem, request_id=rid_ok) from None
 
 
 def _check_id(field: str, value: object) -> str:
@@ -347,8 +359,8 @@ class Connector:
         if len(local) > len(remote):
             raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")
         now = self._clock()
-        if lease_start_ns is not None:
-            _check_int("lease_start_ns", lease_start_ns, low=0)
+        if lease_start_ns is not None:  # before the clock's zero is a real start (a process-relative clock)
+            _check_int("lease_start_ns", lease_start_ns, low=-MAX_DURATION_NS)
             if lease_start_ns > now:  # another clock's time (wall clock): it would stretch the lease
                 raise InvalidInput("lease_start_ns", f"{lease_start_ns} is after now ({now}) on this connector's clock")
         if p.issued_wall_ns and p.lease_ns:
@@ -357,7 +369,7 @@ class Connector:
             # behind the producer's shortens it, by no more than the margin, which covers that skew.
             transit = self._wall_clock() - p.issued_wall_ns
             if transit > 0:
-                lease_start_ns = max(0, min(now if lease_start_ns is None else lease_start_ns, now - transit))
+                lease_start_ns = min(now if lease_start_ns is None else lease_start_ns, now - transit)
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
         first = self._loaded.get((p.remote_engine_id, p.remote_request_id)) or self._live_load(p)
@@ -423,21 +435,32 @@ class Connector:
             raise InvalidInput("lease_ages", f"{stray!r} not in reqs_to_recv")
         now = self._clock()
         for rid, entry in metadata.reqs_to_recv.items():
-            if not isinstance(entry, tuple) or len(entry) != 2:
-                raise InvalidInput(f"reqs_to_recv[{rid!r}]", f"must be (local_block_ids, params), got {entry!r}")
             age = metadata.lease_ages.get(rid)
             if age is not None:
-                _check_int(f"lease_ages[{rid!r}]", age, low=0)
-            start = None if age is None else max(0, now - age)  # older than the clock: as old as it goes
-            events.append(self._read_requested(rid, entry[0], entry[1], start))
-        events += [self._blocks_held(rid, blocks, None) for rid, blocks in metadata.reqs_to_send.items()]
+                with _naming("lease_ages", rid):
+                    _check_int("age", age, low=0)
+            start = None if age is None else now - age  # may be before the clock's zero
+            with _naming("reqs_to_recv", rid):
+                if not isinstance(entry, tuple) or len(entry) != 2:
+                    raise InvalidInput("entry", f"must be (local_block_ids, params), got {entry!r}")
+                events.append(self._read_requested(rid, entry[0], entry[1], start))
+        for rid, blocks in metadata.reqs_to_send.items():
+            with _naming("reqs_to_send", rid):
+                events.append(self._blocks_held(rid, blocks, None))
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
-        remote = [(ev.engine_id, ev.remote_request_id) for ev in events if isinstance(ev, ReadRequested)]
-        if len(set(remote)) != len(remote):
-            raise InvalidInput("reqs_to_recv", "two requests load the same params: params are single-use")
-        local = [b for ev in events if isinstance(ev, ReadRequested) for b in ev.local_blocks]
-        if len(set(local)) != len(local):
-            raise InvalidInput("reqs_to_recv", "two requests load into the same local block")
+        params: dict[tuple[str, str], str] = {}
+        writers: dict[int, str] = {}
+        for ev in events:
+            if isinstance(ev, ReadRequested):
+                first = params.setdefault((ev.engine_id, ev.remote_request_id), ev.request_id)
+                if first != ev.request_id:
+                    raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads the params {first!r} loads too: "
+                                       "params are single-use", request_id=ev.request_id)
+                for b in ev.local_blocks:
+                    first = writers.setdefault(b, ev.request_id)
+                    if first != ev.request_id:
+                        raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
+                                           f"which {first!r} loads into too", request_id=ev.request_id)
         for ev in events:
             self._submit(ev)
         for rid in aborted:

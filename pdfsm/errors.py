@@ -29,12 +29,14 @@ class PdfsmError(Exception):
 
 
 class InvalidInput(PdfsmError, ValueError):
-    """An argument handed to pdfsm was refused before anything was accepted; names the field."""
+    """An argument handed to pdfsm was refused before anything was accepted; names the field and,
+    where one entry of a batch was bad (a step's ``reqs_to_recv``), the request it belongs to."""
 
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, *, request_id: str | None = None) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+        self.request_id = request_id
 
 
 class ProtocolError(PdfsmError):

@@ -437,6 +437,9 @@ def _parse_header(fd: int, size: int, path: Path) -> SegmentHeader | str:
     """The header, or the reason it is unreadable (damage at offset 0). Raises for future versions."""
     fixed = HEADER_FIXED.size
     if size < fixed + 4:
+        head = _pread(fd, min(size, len(MAGIC)), 0)
+        if head.count(0) != len(head) and not MAGIC.startswith(head):  # a short note is not a torn log
+            raise CorruptLogError("bad magic: not a pdfsm log segment", path=path, offset=0)
         return f"file is {size} bytes, shorter than a segment header"
     raw = _pread(fd, fixed, 0)
     magic, version, _flags, meta_len, start, salt = HEADER_FIXED.unpack(raw)

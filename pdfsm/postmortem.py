@@ -35,6 +35,7 @@ from typing import Any, Final, Protocol
 from pdfsm.events import CoreConfig, Started
 from pdfsm.filelog import (
     LOCK_NAME,
+    SEGMENT_SUFFIX,
     Gap,
     LogError,
     LogReader,
@@ -247,8 +248,25 @@ def _has_segments(p: Path) -> bool:
 
 
 def worker_logs(log_dir: Path) -> list[Path]:
-    """The log directories under ``log_dir`` (one per worker: those holding segments), by name."""
-    return sorted(d for d in log_dir.iterdir() if _has_segments(d)) if log_dir.is_dir() else []
+    """The log directories under ``log_dir``, by name: one per worker, those holding segments,
+    and those a log was in (a writer lock, a segment moved aside by ``--repair``: reported as no
+    log, not left out) or that cannot be listed (reported as unreadable, not hiding the rest)."""
+    if not log_dir.is_dir():
+        return []
+    found = []
+    for d in sorted(log_dir.iterdir()):
+        try:
+            if d.is_dir() and any(_log_file(c.name) for c in d.iterdir()):
+                found.append(d)
+        except OSError:  # load() says why
+            found.append(d)
+    return found
+
+
+def _log_file(name: str) -> bool:
+    """A segment, a segment moved aside, or the writer's lock."""
+    stem = name.split(".torn.", maxsplit=1)[0]
+    return name == LOCK_NAME or (stem.endswith(SEGMENT_SUFFIX) and stem[: -len(SEGMENT_SUFFIX)].isdigit())
 
 
 class _Reader(LogReader):
@@ -275,9 +293,14 @@ def load(name: str, path: Path, *, repair: bool = False, progress: Progress | No
 
 
 def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None) -> LoadedLog:
-    files = segment_paths(path) if path.exists() else []
+    if not path.exists():
+        out.status, out.error = "no_log", f"{path}: does not exist"
+        return out
+    files = segment_paths(path)
     if not files or not all(f.is_file() for f in files):
-        out.status, out.error = "no_log", f"{path}: no log segments here"
+        moved = sorted(c.name for c in path.iterdir() if ".torn." in c.name) if path.is_dir() else []
+        aside = f" ({', '.join(moved)} moved aside by --repair)" if moved else ""
+        out.status, out.error = "no_log", f"{path}: no log segments here{aside}"
         return out
     live = repair and writer_holds(path)
     if live:  # cutting a live writer's tail would lose what it is writing
@@ -343,9 +366,17 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
                 bar.update(i)
             yield rec
 
+    unrecorded: list[Record] = []
     try:
-        replay(counted(records))
+        replay(counted(records), unrecorded=unrecorded)
         log.replayed = True
+        if unrecorded:  # the writer stopped between an event and what it caused
+            kinds = ", ".join(sorted({type(r.event).__name__ for r in unrecorded}))
+            blamed = sum(r.violation for r in unrecorded)
+            note = (f"the log ends at seq {records[-1].seq} part-way through what its last event caused: replay "
+                    f"recomputed {len(unrecorded)} record(s) it does not have ({kinds}"
+                    + (f"; {blamed} of them violations" if blamed else "") + "), not counted in this summary")
+            log.replay_note = f"{log.replay_note}; {note}" if log.replay_note else note
     except Divergence as d:
         log.status, log.error, log.divergence_seq = "divergence", str(d), d.seq
     except Exception as e:  # noqa: BLE001 - a record the rebuilt core cannot even take is a divergence too

@@ -92,11 +92,12 @@ def _differs(a: Record, b: Record) -> str:
     return ""
 
 
-def replay(records: Iterable[Record], *, window: int = 1024) -> Core:
+def replay(records: Iterable[Record], *, window: int = 1024, unrecorded: list[Record] | None = None) -> Core:
     """Rebuild the core a log came from, checking each record; returns the rebuilt core.
 
     Raises :class:`Divergence` at the first record that does not come out again. A log
-    that ends part-way through the records one event derived (a torn tail) is accepted.
+    that ends part-way through the records one event derived (a torn tail, or a cut at a
+    frame boundary) is accepted; the records recomputed past its end go to ``unrecorded``.
     """
     it = iter(records)
     first = next(it, None)
@@ -118,6 +119,8 @@ def replay(records: Iterable[Record], *, window: int = 1024) -> Core:
             pending = [Record.of(row) for row in capture.rows]
             capture.rows.clear()
         _match(pending, rec)
+    if unrecorded is not None:
+        unrecorded += pending
     return core
 
 

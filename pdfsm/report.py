@@ -92,6 +92,11 @@ def _summary(logs: Sequence[LoadedLog]) -> Iterator[str]:
         if log.torn is not None:
             yield (f"<p class=\"warn\">{_e(log.name)}: torn tail at byte {_e(log.torn['offset'])} of "
                    f"{_e(log.torn['file'])} ({_e(log.torn['reason'])}); the records before it are shown</p>")
+        for g in log.gaps:
+            yield (f"<p class=\"warn\">{_e(log.name)}: gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost "
+                   f"before reaching the file ({_e(g.reason)})</p>")
+        if log.replay_note:
+            yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(log.replay_note)}</p>"
 
 
 # --- timeline --------------------------------------------------------------------------------------

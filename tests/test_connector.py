@@ -36,7 +36,8 @@ class World:
             for t in ranks:
                 t.fill(range(64))
         self.p = [Connector(CoreConfig(engine_id="P", tp_rank=t, tp_size=p_tp, pp_size=pp, mla=mla, compat_hash="h",
-                                       lease_ns=lease_ns), self.pt[0][t], SimHandshaker(self.net), clock=clock, port=9)
+                                       lease_ns=lease_ns), self.pt[0][t], SimHandshaker(self.net), clock=clock,
+                            wall_clock=clock, port=9)
                   for t in range(p_tp)]
         self.net.serve("127.0.0.1", 9, lambda p: reply(
             "P", tp_size=p_tp, pp_size=pp, mla=mla, ranks=tuple(t.rank_info() for t in self.pt[p])))
@@ -45,7 +46,7 @@ class World:
         self.d = [Connector(CoreConfig(engine_id="D", tp_rank=t, tp_size=d_tp, mla=mla, compat_hash="h",
                                        policy=policy, read_timeout_ns=read_timeout_ns,  # type: ignore[arg-type]
                                        lease_margin_ns=100),
-                            self.dt[t], SimHandshaker(self.net), clock=clock) for t in range(d_tp)]
+                            self.dt[t], SimHandshaker(self.net), clock=clock, wall_clock=clock) for t in range(d_tp)]
         self.pp = pp
         self.failed: list[HandOff] = []
 
@@ -341,7 +342,7 @@ def test_params_are_single_use() -> None:
     with pytest.raises(InvalidInput, match="single-use"):
         d.load("z", [4], params)
     twice = w.prefill("p2", [2])
-    with pytest.raises(InvalidInput, match="same params"):
+    with pytest.raises(InvalidInput, match="params 'a' loads too"):
         d.start_load_kv(ConnectorMetadata(reqs_to_recv={"a": ((5,), twice), "b": ((6,), twice)}))
 
 

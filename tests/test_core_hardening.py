@@ -162,12 +162,12 @@ class _Pair:
         self.pt = SimTransport(self.net, "P-0")
         self.pt.fill(range(16))
         self.p = Connector(CoreConfig(engine_id="P", compat_hash="h", lease_ns=p_lease_ns), self.pt,
-                           SimHandshaker(self.net), clock=lambda: self.now, port=9)
+                           SimHandshaker(self.net), clock=lambda: self.now, wall_clock=lambda: self.now, port=9)
         pt = self.pt
         self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(pt.rank_info(),)))
         self.dt = SimTransport(self.net, "D-0")
         self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **d_config), self.dt,
-                           SimHandshaker(self.net), clock=lambda: self.now)
+                           SimHandshaker(self.net), clock=lambda: self.now, wall_clock=lambda: self.now)
 
     def run(self, steps: int = 6) -> tuple[set[str], set[str]]:
         recv: set[str] = set()

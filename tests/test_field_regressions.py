@@ -55,7 +55,7 @@ class World:
         self.producers: dict[str, tuple[Connector, SimTransport]] = {}
         self.cons = SimTransport(self.net, "D-0")
         self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
-                           SimHandshaker(self.net), clock=self.clock)
+                           SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock)
         self.received: list[str] = []
         self.failed: dict[str, HandOff] = {}
         self.released: list[str] = []
@@ -69,7 +69,7 @@ class World:
         t = SimTransport(self.net, agent)
         t.fill(range(64))
         p = Connector(CoreConfig(engine_id=engine_id, compat_hash="h", lease_ns=lease_ns), t,
-                      SimHandshaker(self.net), clock=self.clock, port=port)
+                      SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock, port=port)
         self.net.serve("127.0.0.1", port, lambda pp: reply(engine_id, ranks=(t.rank_info(),)))
         self.producers[agent] = (p, t)
         return p

@@ -125,7 +125,7 @@ def test_an_unsupported_version_and_a_missing_log_have_their_own_codes(clean: Pa
     code, out, _ = _run(capsys, "replay", str(log))
     assert code == 5 and "UNSUPPORTED VERSION" in out
     code, out, _ = _run(capsys, "replay", str(tmp_path / "nothing-here"))
-    assert code == 6 and "no log segments here" in out
+    assert code == 6 and "does not exist" in out
     code, _, _ = _run(capsys, "replay", str(clean), str(log))  # the first failing log decides
     assert code == 5
 

@@ -321,10 +321,10 @@ _Bad = Callable[[KVTransferParams], dict[str, Any]]
 
 
 @pytest.mark.parametrize(("bad", "field"), [
-    (lambda fresh: {"reqs_to_recv": {"x": ((9,), fresh)}, "lease_ages": {"x": True}}, "lease_ages['x']"),
-    (lambda fresh: {"reqs_to_recv": {7: ((9,), fresh)}}, "request_id"),
-    (lambda fresh: {"reqs_to_send": {"y": "12"}}, "block_ids"),
-    (lambda fresh: {"reqs_to_send": {"y": [1.0]}}, "block_ids"),
+    (lambda fresh: {"reqs_to_recv": {"x": ((9,), fresh)}, "lease_ages": {"x": True}}, "lease_ages['x'].age"),
+    (lambda fresh: {"reqs_to_recv": {7: ((9,), fresh)}}, "reqs_to_recv[7].request_id"),
+    (lambda fresh: {"reqs_to_send": {"y": "12"}}, "reqs_to_send['y'].block_ids"),
+    (lambda fresh: {"reqs_to_send": {"y": [1.0]}}, "reqs_to_send['y'].block_ids"),
     (lambda fresh: {"aborted": (5,)}, "aborted"),
 ], ids=["lease_age_bool", "request_id_int", "send_blocks_str", "send_blocks_float", "aborted_int"])
 def test_a_step_with_one_ill_typed_entry_is_refused_whole_by_name(bad: _Bad, field: str) -> None:
