@@ -431,14 +431,17 @@ def _notify_unread(m: ConsumerRequest, core: Core) -> None:
         core.emit(SendNotification(engine_id=req.engine_id, pp_rank=pp, tp_rank=tp, notification=note))
 
 
-def _notify_connected(m: ConsumerRequest, core: Core) -> None:
+def _notify_connected(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     """A request that stops before reading (its handshakes failed, timed out or were aborted)
     tells the ranks of each engine of its plan that is connected that they may release: only the
     ones still handshaking have no connection to notify over (a PP producer's stage 0 connected
     while stage 1 failed would otherwise pin the blocks for a whole lease). Not when the params
-    contradict a connected engine: they may name the wrong ranks, or another engine."""
+    contradict a connected engine (they may name the wrong ranks, or another engine), nor once
+    the lease they gave is over (the producer released; a late notice reads as a late read)."""
     req, plan = m.req, m.plan
-    if req is None or plan is None or disagreement(req, core) is not None:
+    if req is None or plan is None or (req.lease_ns and m.trust and t_ns >= m.trust):
+        return
+    if disagreement(req, core) is not None:
         return
     note = Notification(req.remote_request_id, plan.part, plan.of)
     ranks = [(src.pp_rank, src.tp_rank) for src in plan.sources] + list(plan.notify_only)
@@ -553,7 +556,7 @@ def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
 
 def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed: {ev.error}", ev.remote_fault)
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.ready(m)
 
@@ -561,14 +564,14 @@ def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
 def _engine_failed_notify_only(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed (ranks not connected are left to "
              f"the producer's lease): {ev.error}", ev.remote_fault)
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _timed_out_waiting(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed while waiting for the remote engine", True)
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.ready(m)
 
@@ -576,13 +579,13 @@ def _timed_out_waiting(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> No
 def _timed_out_notify_only(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed while waiting for the remote engine (ranks not connected are left to the "
              "producer's lease)", True)
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.ready(m)
 
@@ -590,21 +593,21 @@ def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None
 def _abort_notify_only(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
     """Nothing was read and the scheduler is not waiting for it: stop, telling the connected
     engines' ranks; the producer's lease releases the rest."""
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _quarantine_waiting(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.ready(m)
 
 
 def _quarantine_notify_only(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
@@ -663,7 +666,7 @@ def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: 
 
 
 def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
-    _notify_connected(m, core)
+    _notify_connected(m, core, ev.t_ns)
     _give_up_when_ready(m, ev, core, "deadline passed while waiting for the remote engine")
 
 

@@ -204,3 +204,18 @@ def test_pp_params_are_judged_against_every_stage_incarnation(minted_by: str, re
     if not reads:
         (off,) = [c for c in cmds if isinstance(c, HandOff)]
         assert off.outcome == "failed" and "incarnation" in off.reason
+
+
+def test_a_request_stopped_after_its_lease_is_over_notifies_nobody() -> None:
+    """The same abort as above, but after the lease the params gave (less the margin) is over: the
+    producer has released by itself, and a notification now would reach it as a late read (vLLM PR
+    41269), so the connected stage is not told either."""
+    core = make_core(read_timeout_ns=10**12, lease_margin_ns=100)
+    core.apply(read("r", remote_pp=2, remote_tp=2, lease_ns=1_000))
+    core.apply(ev(HandshakeDone, 0, engine_id="P", pp_rank=0, attempt=1, reply=reply("P", tp_size=2, pp_size=2)))
+    core.apply(ev(PeerAdded, 0, engine_id="P", pp_rank=0, attempt=1))
+    core.take_commands()
+    core.apply(ev(AbortRequested, 5_000, request_id="r"))
+    cmds = core.take_commands() + collect(core, 6_000)
+    assert [c.outcome for c in cmds if isinstance(c, HandOff)] == ["aborted"]
+    assert _notes(cmds) == []
