@@ -42,6 +42,7 @@ from pdfsm.commands import (
     StartHandshake,
 )
 from pdfsm.consumer import S as ConsumerStates
+from pdfsm.consumer import disagreement
 from pdfsm.core import Core
 from pdfsm.errors import ConnectorClosed, InvalidInput
 from pdfsm.events import (
@@ -403,6 +404,12 @@ class Connector:
         _check_id("remote_engine_id", p.remote_engine_id)
         _check_int("extend_ns", extend_ns, low=1, high=MAX_EXTEND_NS)  # the wire's bound: more is refused there
         plan = self._check_layout(p)
+        probe = ReadRequested(source=Source.SCHEDULER, t_ns=0, request_id="heartbeat",
+                              remote_request_id=p.remote_request_id, engine_id=p.remote_engine_id, host=p.remote_host,
+                              port=p.remote_port, remote_tp=p.remote_tp_size, remote_pp=p.remote_pp_size,
+                              incarnation=p.remote_incarnation)
+        if disagreement(probe, self.core) is not None:  # as a load would be refused: nobody is told
+            return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         told = 0
