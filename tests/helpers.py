@@ -6,11 +6,13 @@ from typing import Any, TypeVar
 
 from pdfsm.core import Core
 from pdfsm.events import (
+    AbortRequested,
     Collect,
     CoreConfig,
     Event,
     HandleDone,
     HandshakeDone,
+    HandshakeFailed,
     HandshakeReply,
     PeerAdded,
     RankInfo,
@@ -87,3 +89,23 @@ def run_cli(*argv: str) -> int:
         return main(list(argv))
     finally:
         structlog.configure(**saved)
+
+
+def run_cli_captured(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """``pdfsm ...`` in-process: exit code, stdout, stderr."""
+    code = run_cli(*argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def stop_while_handshaking(core: Core, how: str) -> list[Any]:
+    """Stop request "r", waiting on PP stage 1 of engine P: that stage's handshake fails
+    (``how`` ends with "handshake-fails"), an abort, or its deadline (a Tick at 2 us); the
+    commands that came of it, a collect included."""
+    if how.endswith("handshake-fails"):
+        core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
+    elif how == "abort":
+        core.apply(ev(AbortRequested, 10, request_id="r"))
+    else:
+        core.apply(ev(Tick, 2_000))
+    return core.take_commands() + collect(core, 3_000)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import collect, ev, handshake, make_core, read, reply
+from helpers import collect, ev, handshake, make_core, read, reply, stop_while_handshaking
 
 from pdfsm.commands import HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector
@@ -22,7 +22,6 @@ from pdfsm.events import (
     PeerAdded,
     PeerDisconnected,
     RankInfo,
-    Tick,
 )
 from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
@@ -96,13 +95,7 @@ def test_pp2_producer_request_stopping_while_pp1_handshakes_notifies_the_connect
     core.apply(ev(PeerAdded, 0, engine_id="P", pp_rank=0, attempt=1))  # stage 0 connected; the request holds it
     assert core.consumers["r"].state.name == "HANDSHAKING"
     core.take_commands()
-    if how.endswith("handshake-fails"):
-        core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
-    elif how == "abort":
-        core.apply(ev(AbortRequested, 10, request_id="r"))
-    else:
-        core.apply(ev(Tick, 2_000))
-    cmds = core.take_commands() + collect(core, 3_000)
+    cmds = stop_while_handshaking(core, how)
     outcomes = [c.outcome for c in cmds if isinstance(c, HandOff)]
     assert outcomes == [] if notify_only else outcomes in (["failed"], ["aborted"])
     assert sorted(_notes(cmds)) == [(0, 0, "p-r"), (0, 1, "p-r")], (

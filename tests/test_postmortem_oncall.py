@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers import run_cli
+from helpers import run_cli, run_cli_captured
 
 from pdfsm import filelog
 from pdfsm.filelog import FLAG_GAP, encode_frame, encode_header, read_log, segment_name, write_segment
@@ -24,9 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = run_cli(*argv)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli_captured(capsys, *argv)
 
 
 @pytest.fixture(scope="module")

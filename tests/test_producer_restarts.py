@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import collect, ev, make_core, read, reply, run_cli
+from helpers import collect, ev, make_core, read, reply, run_cli, stop_while_handshaking
 
 from pdfsm.commands import HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import (
-    AbortRequested,
     CoreConfig,
     HandleFailed,
     HandleFailure,
@@ -25,7 +24,6 @@ from pdfsm.events import (
     PeerAdded,
     PeerDisconnected,
     RankInfo,
-    Tick,
 )
 from pdfsm.filesink import FileSink
 from pdfsm.log import EventLog
@@ -67,13 +65,7 @@ def test_stale_incarnation_pp_params_stopped_while_stage1_handshakes_notify_nobo
     _connect_stage(core, 0, "new-0")
     assert core.consumers["r"].state.name == "HANDSHAKING"
     core.take_commands()
-    if how.endswith("handshake-fails"):
-        core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
-    elif how == "abort":
-        core.apply(ev(AbortRequested, 10, request_id="r"))
-    else:
-        core.apply(ev(Tick, 2_000))
-    cmds = core.take_commands() + collect(core, 3_000)
+    cmds = stop_while_handshaking(core, how)
     assert _notes(cmds) == [], "the new process was told about a request only the dead one held"
 
 

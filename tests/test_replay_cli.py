@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers import run_cli
+from helpers import run_cli, run_cli_captured
 
 from pdfsm.filelog import FORMAT_VERSION, read_log, segment_name, segment_paths, write_segment
 from pdfsm.log import Outcome, Record
@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = run_cli(*argv)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli_captured(capsys, *argv)
 
 
 @pytest.fixture(scope="module")
