@@ -415,20 +415,20 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
     m.waited |= m.waiting
 
 
-def _notify_unread(m: ConsumerRequest, core: Core) -> None:
+def _notify_unread(m: ConsumerRequest, core: Core, *, connected_only: bool = False) -> None:
     """Tell every producer rank we will not read (again) that it may release: each completed
-    read carried its own notification; the rest, and MLA's skipped ranks, get one here."""
+    read carried its own notification; the rest, and MLA's skipped ranks, get one here (with
+    ``connected_only``, only the ranks of engines that are connected: the others cannot be told)."""
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
     if m.done == plan.all_read and not plan.notify_only:
         return
     note = Notification(req.remote_request_id, plan.part, plan.of)
-    for i, src in enumerate(plan.sources):
-        if not (m.done >> i) & 1:
-            core.emit(SendNotification(engine_id=req.engine_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank,
-                                       notification=note))
-    for pp, tp in plan.notify_only:
-        core.emit(SendNotification(engine_id=req.engine_id, pp_rank=pp, tp_rank=tp, notification=note))
+    eid = req.engine_id
+    unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
+    for pp, tp in unread + list(plan.notify_only):
+        if not connected_only or core.engine_connected((eid, pp)):
+            core.emit(SendNotification(engine_id=eid, pp_rank=pp, tp_rank=tp, notification=note))
 
 
 def _notify_connected(m: ConsumerRequest, core: Core, t_ns: int) -> None:
@@ -438,17 +438,11 @@ def _notify_connected(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     while stage 1 failed would otherwise pin the blocks for a whole lease). Not when the params
     contradict a connected engine (they may name the wrong ranks, or another engine), nor once
     the lease they gave is over (the producer released; a late notice reads as a late read)."""
-    req, plan = m.req, m.plan
-    if req is None or plan is None or (req.lease_ns and m.trust and t_ns >= m.trust):
+    req = m.req
+    if req is None or m.plan is None or (req.lease_ns and m.trust and t_ns >= m.trust):
         return
-    if disagreement(req, core) is not None:
-        return
-    note = Notification(req.remote_request_id, plan.part, plan.of)
-    ranks = [(src.pp_rank, src.tp_rank) for src in plan.sources] + list(plan.notify_only)
-    for pp, tp in ranks:
-        e = core.engines.get((req.engine_id, pp))
-        if e is not None and e.state is CONNECTED:
-            core.emit(SendNotification(engine_id=req.engine_id, pp_rank=pp, tp_rank=tp, notification=note))
+    if disagreement(req, core) is None:
+        _notify_unread(m, core, connected_only=True)
 
 
 def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

@@ -302,7 +302,7 @@ def test_torch_loss_of_a_replaced_connection_does_not_report_the_new_one_gone() 
 
 
 @needs_nixl
-@pytest.mark.parametrize("devices", ["", "all", " ALL "])
+@pytest.mark.parametrize("devices", ["", "all", " ALL ", "lo,all", ","])
 def test_nixl_never_listens_on_every_interface(devices: str) -> None:
     """UCX's default (and "all") opens a listener on every interface, 0.0.0.0: refused; the
     transport listens on the devices it is given, loopback by default."""
@@ -311,7 +311,7 @@ def test_nixl_never_listens_on_every_interface(devices: str) -> None:
 
 
 @needs_nixl
-@pytest.mark.parametrize("devices", ["", "all"])
+@pytest.mark.parametrize("devices", ["", "all", "lo, all"])
 def test_nixl_refuses_an_inherited_wildcard_ucx_net_devices(devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """UCX_NET_DEVICES from the environment wins over ucx_devices, but not to listen on every interface."""
     monkeypatch.setenv("UCX_NET_DEVICES", devices)

@@ -779,7 +779,8 @@ _ENV_LOCK: Final = threading.Lock()
 
 def _every_interface(devices: str) -> bool:
     """``UCX_NET_DEVICES`` values that make UCX listen on every interface (0.0.0.0)."""
-    return devices.strip().lower() in ("", "all")
+    names = [d.strip().lower() for d in devices.split(",")]
+    return not any(names) or "all" in names  # "lo,all" is every interface too
 
 
 @contextmanager
