@@ -76,6 +76,7 @@ _log = structlog.get_logger("pdfsm.connector")
 
 _Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]  # a read plan is built rank by rank
+_Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 MAX_DURATION_NS: Final = 1 << 62  # a lease or a timeout: now plus it stays in the log's 64 bits
 _Duration = Annotated[int, msgspec.Meta(ge=0, le=MAX_DURATION_NS)]
 _MAX_BLOCK_ID = (1 << 63) - 1  # what every codec and transport index can carry
@@ -100,6 +101,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # The minting producer rank's transport incarnation (""): a consumer refuses params that name
     # none of the engine's current ranks (a producer restarted under the same id, smg PR 2492).
     remote_incarnation: _Incarnation = ""
+    remote_incarnation_pp: _Rank = 0  # the minting rank's PP stage: only its handshake reply can confirm it
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -123,6 +125,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         if "remote_tp_size" not in params:  # it plans every read: said, never defaulted
             hint = " (vLLM's tp_size is pdfsm's remote_tp_size)" if "tp_size" in params else ""
             raise InvalidInput("remote_tp_size", f"missing from kv_transfer_params: the producer's TP size{hint}")
+        if parsed.remote_incarnation_pp >= parsed.remote_pp_size:
+            raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
+                                                        f"with PP {parsed.remote_pp_size}")
         return parsed
 
 
@@ -298,7 +303,7 @@ class Connector:
                                 remote_host=self.host, remote_port=self.port, remote_block_ids=held.block_ids,
                                 remote_tp_size=cfg.tp_size, remote_pp_size=cfg.pp_size,
                                 lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=self._wall_clock(),
-                                remote_incarnation=self._incarnation)
+                                remote_incarnation=self._incarnation, remote_incarnation_pp=cfg.pp_rank)
 
     def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
@@ -382,7 +387,8 @@ class Connector:
             source=Source.SCHEDULER, t_ns=now, request_id=rid, remote_request_id=p.remote_request_id,
             engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
             remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
-            lease_start_ns=lease_start_ns, incarnation=p.remote_incarnation)
+            lease_start_ns=lease_start_ns, incarnation=p.remote_incarnation,
+            incarnation_pp=p.remote_incarnation_pp)
 
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""
@@ -407,7 +413,7 @@ class Connector:
         probe = ReadRequested(source=Source.SCHEDULER, t_ns=0, request_id="heartbeat",
                               remote_request_id=p.remote_request_id, engine_id=p.remote_engine_id, host=p.remote_host,
                               port=p.remote_port, remote_tp=p.remote_tp_size, remote_pp=p.remote_pp_size,
-                              incarnation=p.remote_incarnation)
+                              incarnation=p.remote_incarnation, incarnation_pp=p.remote_incarnation_pp)
         if disagreement(probe, self.core) is not None:  # as a load would be refused: nobody is told
             return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns)

@@ -27,7 +27,7 @@ it implies none of the options after it hold, so it only saves their cost.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
@@ -161,43 +161,28 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
                 f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
     if r.num_blocks and req.remote_blocks and (top := max(req.remote_blocks)) >= r.num_blocks:
         return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks"
-    if req.incarnation and req.remote_pp == 1 and _foreign(req, (r,)):
-        return _restarted(req)
+    if req.incarnation and pp == req.incarnation_pp and _foreign(req, r):
+        return (f"the params were minted by producer incarnation {req.incarnation!r}, none of {req.engine_id} "
+                f"pp_rank {pp}'s ranks now: it restarted under the same engine id, and the blocks they name "
+                "are another process's")
     return None
 
 
-def _foreign(req: ReadRequested, replies: Iterable[HandshakeReply]) -> bool:
-    """The params were minted by none of the ranks these replies list (each says its incarnation)."""
-    said = {rank.incarnation for r in replies for rank in r.ranks}
+def _foreign(req: ReadRequested, r: HandshakeReply) -> bool:
+    """The params were minted by none of the ranks this reply lists (each says its incarnation)."""
+    said = {rank.incarnation for rank in r.ranks}
     return bool(said) and "" not in said and req.incarnation not in said
-
-
-def _restarted(req: ReadRequested) -> str:
-    return (f"the params were minted by producer incarnation {req.incarnation!r}, none of {req.engine_id}'s ranks "
-            "now: it restarted under the same engine id, and the blocks they name are another process's")
 
 
 def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
     """(pp_rank, why) for each connected engine a request contradicts (a notify-only one too: it
     would notify the wrong ranks, or another engine)."""
-    pps = core.plan(req.remote_tp, req.remote_pp).pp_ranks
-    found = False
-    for pp in pps:
+    for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
         e = core.engines.get((req.engine_id, pp))
         if e is not None and e.state is CONNECTED:
             why = _contradiction(e, req, pp)
             if why is not None:
-                found = True
                 yield pp, why
-    if found or not req.incarnation or req.remote_pp == 1:
-        return
-    # PP: the minting rank is one stage's, so the params are judged against every stage at once;
-    # a plan that reads some stages only (a PP consumer's stage) cannot tell and does not check.
-    engines = [core.engines.get((req.engine_id, pp)) for pp in pps]
-    replies = [e.reply for e in engines if e is not None and e.state is CONNECTED and e.reply is not None]
-    if len(replies) == len(pps) == req.remote_pp and _foreign(req, replies):
-        for pp in pps:
-            yield pp, _restarted(req)
 
 
 def disagreement(req: ReadRequested, core: Core) -> str | None:

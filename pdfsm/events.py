@@ -212,6 +212,7 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     lease_ns: int = 0  # the producer's lease on the blocks, as its params said (0: unknown)
     lease_start_ns: int | None = None  # when that lease was last (re)started, on this clock; default t_ns
     incarnation: str = ""  # the minting producer rank's, as its params said ("": not said, not checked)
+    incarnation_pp: int = 0  # the PP stage of that rank: the one stage whose reply can confirm it
 
 
 class EngineReady(_ConsumerEvent, frozen=True):

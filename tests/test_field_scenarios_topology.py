@@ -185,12 +185,15 @@ def _pp_replies(core: Any, incarnations: tuple[str, str]) -> None:
         core.apply(ev(PeerAdded, 0, engine_id="P", pp_rank=pp, attempt=1))
 
 
-@pytest.mark.parametrize(("minted_by", "reads"), [("stage1", True), ("gone", False), ("", True)])
-def test_pp_params_are_judged_against_every_stage_incarnation(minted_by: str, reads: bool) -> None:
-    """A PP producer's params are minted by one stage's rank: they are good when any stage of the
-    engine names their incarnation, stale when none does, and unchecked when they name none."""
+@pytest.mark.parametrize(("minted_by", "stage", "reads"), [
+    ("stage1", 1, True), ("stage0", 0, True), ("gone", 0, False), ("gone", 1, False), ("stage0", 1, False),
+    ("", 0, True)])
+def test_pp_params_are_judged_by_the_minting_stage_incarnation(minted_by: str, stage: int, reads: bool) -> None:
+    """A PP producer's params are minted by one stage's rank and say which stage: they are good
+    when that stage's reply names their incarnation, stale when it does not (even if another stage
+    happens to), and unchecked when they name none."""
     core = make_core()
-    core.apply(read("r", remote_pp=2, remote_tp=2, incarnation=minted_by))
+    core.apply(read("r", remote_pp=2, remote_tp=2, incarnation=minted_by, incarnation_pp=stage))
     _pp_replies(core, ("stage0", "stage1"))
     cmds = core.take_commands() + collect(core, 1_000)
     assert any(isinstance(c, PostRead) for c in cmds) is reads

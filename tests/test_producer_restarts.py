@@ -14,6 +14,7 @@ from helpers import collect, ev, make_core, read, reply, run_cli, stop_while_han
 
 from pdfsm.commands import HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.errors import InvalidInput
 from pdfsm.events import (
     CoreConfig,
     HandleFailed,
@@ -46,8 +47,6 @@ def _connect_stage(core: Any, pp: int, incarnation: str, *, t: int = 0) -> None:
 # --- _notify_connected and incarnations ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/decisions.md): params name their minting rank's "
-                   "incarnation, not its PP stage, so a stage cannot judge them alone")
 @pytest.mark.parametrize("how", ["handshake-fails", "abort", "deadline", "notify-only-handshake-fails"])
 def test_stale_incarnation_pp_params_stopped_while_stage1_handshakes_notify_nobody(how: str) -> None:
     """PP 2 producer restarted under the same engine id. Stage 0 of the new process is connected
@@ -56,9 +55,8 @@ def test_stale_incarnation_pp_params_stopped_while_stage1_handshakes_notify_nobo
     request is aborted, or times out). _notify_connected's rule: "Not when the params contradict a
     connected engine: they may name the wrong ranks, or another engine". Params of a dead
     incarnation name another process: the new process's stage 0 would be told to release a request
-    id it never held (staged, then discarded as a remote violation). They must notify nobody (the
-    incarnation is not among stage 0's; whether the minter was stage 1 cannot be told, so the safe
-    choice is silence, as for every other unconfirmable contradiction)."""
+    id it never held (staged, then discarded as a remote violation). They must notify nobody: the
+    params say stage 0 minted them (``incarnation_pp``), and stage 0's reply does not name them."""
     core = make_core(read_timeout_ns=1_000)
     notify_only = how.startswith("notify-only")
     core.apply(read("r", remote_pp=2, remote_tp=2, blocks=() if notify_only else (1, 2), incarnation="old-0"))
@@ -332,3 +330,40 @@ def test_incarnation_bounds_on_params_and_side_channel() -> None:
     with pytest.raises(Exception, match="incarnation"):
         check_reply(bad)
 
+
+
+# --- the minting stage (remote_incarnation_pp) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stage", "minted_at", "reads"), [(0, 0, False), (1, 1, False), (1, 0, True)])
+def test_pp_consumer_stage_judges_params_only_when_it_reads_the_minting_stage(
+        stage: int, minted_at: int, reads: bool) -> None:
+    """A PP 2 consumer's stage reads the producer's matching stage only. Params of a dead process
+    are refused by the stage that reads the stage they were minted at (its reply names none of
+    them); the other stage cannot judge them and reads (what decisions.md says it cannot tell)."""
+    core = make_core(pp_size=2, pp_rank=stage)
+    core.apply(read("r", remote_pp=2, incarnation="old", incarnation_pp=minted_at))
+    ranks = (RankInfo(pp_rank=stage, tp_rank=0, agent=f"P-{stage}", incarnation="new"),)
+    core.apply(ev(HandshakeDone, 0, engine_id="P", pp_rank=stage, attempt=1,
+                  reply=reply("P", pp_size=2, pp_rank=stage, ranks=ranks)))
+    core.apply(ev(PeerAdded, 0, engine_id="P", pp_rank=stage, attempt=1))
+    cmds = core.take_commands() + collect(core, 1_000)
+    assert any(isinstance(c, PostRead) for c in cmds) is reads
+    if not reads:
+        (off,) = [c for c in cmds if isinstance(c, HandOff)]
+        assert off.outcome == "failed" and f"pp_rank {stage}" in off.reason
+
+
+def test_params_say_the_minting_stage_and_parse_refuses_a_stage_the_producer_lacks() -> None:
+    """A PP producer's stage-1 Connector mints params naming stage 1; a router dict naming a stage
+    past the producer's PP size is refused, naming the field."""
+    net = SimNetwork()
+    t = SimTransport(net, "P-1", pp_rank=1)
+    p = Connector(CoreConfig(engine_id="P", compat_hash="h", pp_size=2, pp_rank=1, lease_ns=LEASE), t,
+                  SimHandshaker(net), clock=lambda: 0, port=9)
+    params = p.request_finished("r", [1, 2])
+    assert (params.remote_incarnation_pp, params.remote_incarnation) == (1, t.rank_info().incarnation)
+    bad = {**params.to_dict(), "remote_incarnation_pp": 2}
+    with pytest.raises(InvalidInput) as err:
+        KVTransferParams.parse(bad)
+    assert err.value.field == "remote_incarnation_pp"
