@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from pdfsm.commands import HandOff
+from pdfsm.connector import Connector
 from pdfsm.core import Core
 from pdfsm.events import (
     AbortRequested,
@@ -20,6 +22,7 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.log import EventLog, MemorySink
+from transports.sim import SimHandshaker, SimNetwork, SimTransport
 
 E = TypeVar("E", bound=Event)
 
@@ -109,3 +112,52 @@ def stop_while_handshaking(core: Core, how: str) -> list[Any]:
     else:
         core.apply(ev(Tick, 2_000))
     return core.take_commands() + collect(core, 3_000)
+
+
+class SimPair:
+    """One producer and one consumer Connector over a simulated network, on a shared clock; the
+    producer can be restarted (a new agent, the same engine id, host and port)."""
+
+    def __init__(self, *, d_config: dict[str, Any] | None = None, p_lease_ns: int = 120_000_000_000) -> None:
+        self.net, self.now = SimNetwork(), 0
+        self.p_lease_ns = p_lease_ns
+        self.prod = SimTransport(self.net, "P-0")
+        self.prod.fill(range(64))
+        self.p = self._producer(self.prod)
+        self.cons = SimTransport(self.net, "D-0")
+        self.invalid: dict[str, set[int]] = {}  # per consumer request, as reported in the same step
+        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
+                           SimHandshaker(self.net), clock=self.clock)
+
+    def _producer(self, t: SimTransport) -> Connector:
+        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(t.rank_info(),), num_blocks=t.num_blocks))
+        return Connector(CoreConfig(engine_id="P", compat_hash="h", lease_ns=self.p_lease_ns), t,
+                         SimHandshaker(self.net), clock=self.clock, port=9)
+
+    def restart_producer(self, agent: str) -> None:
+        """The producer process dies and comes back under the same engine id, host and port."""
+        self.net.kill(self.prod.agent)
+        self.prod = SimTransport(self.net, agent)
+        self.prod.fill(range(64))
+        self.p = self._producer(self.prod)
+
+    def clock(self) -> int:
+        return self.now
+
+    def run(self, steps: int = 6) -> tuple[list[str], list[str], list[HandOff]]:
+        """Step both sides (the clock 1 us per step): what the consumer reported (all outcomes),
+        what the producer released, and the consumer's failed hand-offs, in order."""
+        recv: list[str] = []
+        sent: list[str] = []
+        failed: list[HandOff] = []
+        for _ in range(steps):
+            self.now += 1_000
+            got = self.d.get_finished()[1]
+            recv += sorted(got)
+            for off in self.d.last.failed:
+                self.invalid[off.request_id] = set(off.invalid_blocks)
+            for rid in got - {off.request_id for off in self.d.last.failed}:
+                self.invalid[rid] = set(self.d.get_block_ids_with_load_errors()) if len(got) == 1 else set()
+            failed += self.d.last.failed
+            sent += sorted(self.p.get_finished()[0])
+        return recv, sent, failed

@@ -10,10 +10,8 @@ or an illegal event attributed to the right side.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from helpers import collect, connected, ev, make_core, read, reply, tick
+from helpers import SimPair, collect, connected, ev, make_core, read, reply, tick
 
 from pdfsm.commands import (
     AddPeer,
@@ -53,55 +51,6 @@ def faults(core: Core) -> list[Record]:
     return [r for r in core.log.records() if r.fault is not None]
 
 
-class Pair:
-    """One producer and one consumer Connector over a simulated network, on a shared clock; the
-    producer can be restarted (a new agent, the same engine id and listener)."""
-
-    def __init__(self, *, d_config: dict[str, Any] | None = None, p_lease_ns: int = 120_000_000_000) -> None:
-        self.net, self.now = SimNetwork(), 0
-        self.p_lease_ns = p_lease_ns
-        self.prod = SimTransport(self.net, "P-0")
-        self.prod.fill(range(64))
-        self.p = self._producer(self.prod)
-        self.cons = SimTransport(self.net, "D-0")
-        self.invalid: dict[str, set[int]] = {}  # per consumer request, as reported in the same step
-        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
-                           SimHandshaker(self.net), clock=self.clock)
-
-    def _producer(self, transport: SimTransport) -> Connector:
-        p = Connector(CoreConfig(engine_id="P", compat_hash="h", lease_ns=self.p_lease_ns), transport,
-                      SimHandshaker(self.net), clock=self.clock, port=9)
-        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(transport.rank_info(),)))
-        return p
-
-    def restart_producer(self, agent: str) -> None:
-        """The producer process dies and comes back under the same engine id, host and port."""
-        self.net.kill(self.prod.agent)
-        self.prod = SimTransport(self.net, agent)
-        self.prod.fill(range(64))
-        self.p = self._producer(self.prod)
-
-    def clock(self) -> int:
-        return self.now
-
-    def run(self, steps: int = 6) -> tuple[list[str], list[str], list[HandOff]]:
-        """Step both sides: what the consumer reported (all outcomes), what the producer released,
-        and the consumer's failed hand-offs, in order."""
-        recv: list[str] = []
-        sent: list[str] = []
-        failed: list[HandOff] = []
-        for _ in range(steps):
-            got = self.d.get_finished()[1]
-            recv += sorted(got)
-            for off in self.d.last.failed:
-                self.invalid[off.request_id] = set(off.invalid_blocks)
-            for rid in got - {off.request_id for off in self.d.last.failed}:
-                self.invalid[rid] = set(self.d.get_block_ids_with_load_errors()) if len(got) == 1 else set()
-            failed += self.d.last.failed
-            sent += sorted(self.p.get_finished()[0])
-        return recv, sent, failed
-
-
 def consumer_states(connector: Connector) -> list[str]:
     return [r.state for r in connector.core.log.records() if r.machine == "consumer"]
 
@@ -117,7 +66,7 @@ def test_vllm_issue_46283_abort_while_the_producer_never_answers_is_reported_onc
     once with its blocks invalid; an abort while a read hangs (NIXL has no stall timeout) cancels
     it and reports the request once the cancel is confirmed; the late handshake outcome is stale
     news, and the producer's blocks are released once, by its lease, since nobody could tell it."""
-    pair = Pair(p_lease_ns=5_000_000_000)
+    pair = SimPair(p_lease_ns=5_000_000_000)
     params = pair.p.request_finished("p1", [1, 2])
     pair.net.handshake_faults[("127.0.0.1", 9)] = "hang"  # the prefill node wedged
     pair.d.load("d1", [5, 6], params)
@@ -198,7 +147,7 @@ def test_sglang_issue_16903_decode_recovers_after_a_prefill_outage_without_a_res
     disconnected; during the outage a handshake is refused (recompute) and requests within the
     retry pause fail fast without hammering it; once the producer is back under the same engine
     id, the first request after the pause handshakes afresh and reads the right bytes."""
-    pair = Pair(d_config={"handshake_retry_ns": 1_000_000_000})
+    pair = SimPair(d_config={"handshake_retry_ns": 1_000_000_000})
     pair.d.load("d-warm", [1], pair.p.request_finished("warm", [1]))
     assert pair.run(3)[0] == ["d-warm"]
     params = pair.p.request_finished("p1", [2, 3])
@@ -285,7 +234,7 @@ def test_vllm_pr_53250_remote_kv_is_not_loaded_again_after_decoder_preemption() 
     (or the engine crashed). pdfsm refuses the second load synchronously, whether the scheduler
     reuses the request id or a new one, one by one or in a step's metadata, before anything is
     submitted: no second read, the producer released exactly once, the first result untouched."""
-    pair = Pair()
+    pair = SimPair()
     params = pair.p.request_finished("p1", [1, 2])
     pair.d.load("d1", [5, 6], params)
     recv, sent, _ = pair.run(3)
@@ -310,7 +259,7 @@ def test_sglang_issue_40125_two_decode_requests_claiming_one_transfer_do_not_cra
     refused synchronously (one by one or two in a step); a second decode engine that reads the
     same producer request too only produces a duplicate notification, which the producer records
     as a remote violation without freeing anything twice or raising."""
-    pair = Pair()
+    pair = SimPair()
     params = pair.p.request_finished("p1", [1, 2])
     pair.d.load("a", [5, 6], params)
     with pytest.raises(InvalidInput, match="single-use"):
@@ -336,7 +285,7 @@ def test_tensorrt_llm_issue_17665_a_dropped_completion_notification_costs_a_leas
     received once (its read completed); the producer, never told, releases the blocks exactly once
     when its lease runs out, marked expired; a duplicated notification for another request frees
     it once and is recorded as the peer's fault."""
-    pair = Pair(p_lease_ns=3_000_000_000)
+    pair = SimPair(p_lease_ns=3_000_000_000)
     params = pair.p.request_finished("p1", [1, 2])
     pair.net.fault_notification("p1", "drop")
     pair.d.load("d1", [5, 6], params)
@@ -433,7 +382,7 @@ def test_sglang_pr_32267_completion_observed_after_the_read_timeout_but_within_t
     s, from its params) has 118 s left, so no block can have been reused under the read. The read
     must be trusted: reported received, not failed (with policy "fail" a user would get an error
     for KV that arrived intact)."""
-    pair = Pair(d_config={"read_timeout_ns": 1_000_000_000, "policy": "fail"})
+    pair = SimPair(d_config={"read_timeout_ns": 1_000_000_000, "policy": "fail"})
     params = pair.p.request_finished("p1", [1, 2])
     assert params.lease_ns == 120_000_000_000
     pair.net.script("d1", 0, 0, ReadScript(polls=1))

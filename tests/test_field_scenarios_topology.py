@@ -10,62 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import collect, ev, handshake, make_core, read, reply, stop_while_handshaking
+from helpers import SimPair, collect, ev, handshake, make_core, read, reply, stop_while_handshaking
 
 from pdfsm.commands import HandOff, PostRead, SendNotification
-from pdfsm.connector import Connector
 from pdfsm.events import (
     AbortRequested,
-    CoreConfig,
     HandshakeDone,
     HandshakeFailed,
     PeerAdded,
     PeerDisconnected,
     RankInfo,
 )
-from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
+from transports.sim import pattern
 
 LEASE = 120_000_000_000
-
-
-class Pair:
-    """One producer and one consumer Connector over a simulated network, on a shared clock; the
-    producer can be restarted (a new agent, the same engine id, the same listener)."""
-
-    def __init__(self, *, p_lease_ns: int = LEASE) -> None:
-        self.net, self.now = SimNetwork(), 0
-        self.p_lease_ns = p_lease_ns
-        self.prod = SimTransport(self.net, "P-0")
-        self.prod.fill(range(64))
-        self.p = self._producer(self.prod)
-        self.cons = SimTransport(self.net, "D-0")
-        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h"), self.cons, SimHandshaker(self.net),
-                           clock=self.clock)
-
-    def _producer(self, t: SimTransport) -> Connector:
-        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(t.rank_info(),), num_blocks=t.num_blocks))
-        return Connector(CoreConfig(engine_id="P", compat_hash="h", lease_ns=self.p_lease_ns), t,
-                         SimHandshaker(self.net), clock=self.clock, port=9)
-
-    def restart_producer(self, agent: str) -> None:
-        self.net.kill(self.prod.agent)
-        self.prod = SimTransport(self.net, agent)
-        self.prod.fill(range(64))
-        self.p = self._producer(self.prod)
-
-    def clock(self) -> int:
-        return self.now
-
-    def run(self, steps: int = 4) -> tuple[list[str], list[HandOff], list[str]]:
-        recv: list[str] = []
-        failed: list[HandOff] = []
-        sent: list[str] = []
-        for _ in range(steps):
-            self.now += 1_000
-            recv += sorted(self.d.get_finished()[1])
-            failed += self.d.last.failed
-            sent += sorted(self.p.get_finished()[0])
-        return recv, failed, sent
 
 
 def _notes(cmds: list[Any]) -> list[tuple[int, int, str]]:
@@ -112,7 +70,7 @@ def test_sim_send_to_a_killed_producer_reports_the_engine_gone_like_nixl_and_tor
     transport, which the race tester drives, raises without reporting the engine gone, so the
     engine stays CONNECTED to a dead agent and the failure path the real transports take is never
     exercised."""
-    pair = Pair()
+    pair = SimPair()
     pair.d.load("d-warm", [1], pair.p.request_finished("warm", [1]))
     pair.run(3)
     assert pair.d.core.engines[("P", 0)].state.name == "CONNECTED"
@@ -139,27 +97,27 @@ def test_smg_2492_params_minted_before_a_same_id_producer_restart_are_never_repo
     The decode side must not report such a load as received: the bytes are another request's (or
     none). pdfsm's handshake reply and params share nothing that tells two incarnations of one
     engine id apart."""
-    pair = Pair()
+    pair = SimPair()
     pair.d.load("d-warm", [1], pair.p.request_finished("warm", [1]))
     pair.run(3)
     stale = pair.p.request_finished("p-old", [4, 5])  # minted, then the process dies
     pair.restart_producer("P-0-restarted")
     # a request with fresh params finds the old connection dead, and the engine is handshaken again
     pair.d.load("d1", [10, 11], pair.p.request_finished("p1", [2, 3]))
-    recv, failed, _ = pair.run(4)
+    recv, _, failed = pair.run(4)
     pair.d.load("d2", [12, 13], pair.p.request_finished("p2", [2, 3]))
-    recv, failed, _ = pair.run(4)
+    recv, _, failed = pair.run(4)
     assert recv == ["d2"] and not failed
     # now the router's queued stale params reach the decode side, well inside their lease
     pair.d.load("d-stale", [20, 21], stale)
-    recv, failed, _ = pair.run(4)
+    recv, _, failed = pair.run(4)
     assert pair.cons.block(20) == bytes(64)  # nothing was read from the new process's block 4
     assert [f.request_id for f in failed] == ["d-stale"], (  # handed back failed: its blocks invalid
         "params of a dead producer incarnation were read from its successor and reported received")
     assert "incarnation" in failed[0].reason and failed[0].invalid_blocks == (20, 21)
     # the fresh engine still serves fresh params (evicted at most, and handshaken again)
     pair.d.load("d3", [30, 31], pair.p.request_finished("p3", [6, 7]))
-    recv, failed, _ = pair.run(6)
+    recv, _, failed = pair.run(6)
     assert recv == ["d3"] and not failed
     assert pair.cons.block(30) == pattern("P-0-restarted", 6, 64)
 
