@@ -21,6 +21,7 @@ accepted is touched.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,7 +45,7 @@ from pdfsm.commands import (
 from pdfsm.consumer import S as ConsumerStates
 from pdfsm.consumer import disagreement
 from pdfsm.core import Core
-from pdfsm.errors import ConnectorClosed, InvalidInput
+from pdfsm.errors import ConnectorClosed, InvalidInput, OwnerError
 from pdfsm.events import (
     CONSUMER,
     PRODUCER,
@@ -84,6 +85,15 @@ _BlockIds = tuple[Annotated[int, msgspec.Meta(ge=0, le=_MAX_BLOCK_ID)], ...]
 _Incarnation = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
+# One minting of params: the engine, its request id, when and by which process they were issued.
+# A request id the producer reuses (after forgetting it) mints new params, loadable afresh.
+_Minting = tuple[str, str, int, str]
+
+
+def _minting(p: KVTransferParams) -> _Minting:
+    return (p.remote_engine_id, p.remote_request_id, p.issued_wall_ns, p.remote_incarnation)
+
+
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """What the prefill side returns and the router hands to the decode side."""
 
@@ -117,6 +127,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             params = msgspec.structs.asdict(params)
         elif not isinstance(params, Mapping):
             raise InvalidInput("kv_transfer_params", f"must be a mapping or KVTransferParams, got {params!r}")
+        blocks = params.get("remote_block_ids", ())
+        if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):  # msgspec would take a set
+            raise InvalidInput("remote_block_ids", f"must be a sequence of block ids (its order pairs them with "
+                                                   f"the local ones), got {blocks!r}")
         try:
             parsed = msgspec.convert(dict(params), cls)
         except msgspec.ValidationError as exc:
@@ -265,11 +279,11 @@ class Connector:
         self._step = 0
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
-        # Params already loaded, (engine, remote request) -> local id, the newest tombstones-many:
+        # Params already loaded, their minting -> local id, the newest tombstones-many:
         # a second read of them could copy blocks the producer released after the first. A load
         # still live when the count pushes it out moves to _live_loads (never forgotten while live).
-        self._loaded: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._live_loads: dict[tuple[str, str], str] = {}
+        self._loaded: OrderedDict[_Minting, str] = OrderedDict()
+        self._live_loads: dict[_Minting, str] = {}
         self._live_swept = 0  # _live_loads' size after its last sweep
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
@@ -279,6 +293,16 @@ class Connector:
         self._closed = False
 
     def _open(self) -> None:
+        # The calling thread becomes the core's owner, as in pump(): its own submissions (the
+        # scheduler's calls) then go in over a full inbox, never waited for nor dropped as an
+        # adapter thread's would be (a Connector built on another thread than the one stepping it).
+        me = threading.get_ident()
+        core = self.core
+        if core.log.owner != me:
+            if core.pumping not in (None, me):
+                raise OwnerError(f"Connector called from thread {me} while thread {core.pumping} steps it: "
+                                 "one thread at a time (docs/embedding.md)")
+            core.log.owner = me
         if self._closed:
             raise ConnectorClosed("the Connector was shut down: nothing is accepted after shutdown()")
 
@@ -346,10 +370,11 @@ class Connector:
         :meth:`heartbeat` does not move the start: nothing confirms the producer got it.
         """
         self._open()
-        self._submit(self._read_requested(request_id, local_block_ids, params, lease_start_ns))
+        self._submit(*self._read_requested(request_id, local_block_ids, params, lease_start_ns))
 
     def _read_requested(self, request_id: str, local_block_ids: Sequence[int],
-                        params: KVTransferParams | Mapping[str, Any], lease_start_ns: int | None) -> ReadRequested:
+                        params: KVTransferParams | Mapping[str, Any],
+                        lease_start_ns: int | None) -> tuple[ReadRequested, _Minting]:
         rid = _check_id("request_id", request_id)
         p = KVTransferParams.parse(params)
         _check_id("remote_request_id", p.remote_request_id)
@@ -378,7 +403,8 @@ class Connector:
                 lease_start_ns = min(now if lease_start_ns is None else lease_start_ns, now - transit)
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
-        first = self._loaded.get((p.remote_engine_id, p.remote_request_id)) or self._live_load(p)
+        minting = _minting(p)
+        first = self._loaded.get(minting) or self._live_load(minting)
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
@@ -388,7 +414,7 @@ class Connector:
             engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
             remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
             lease_start_ns=lease_start_ns, incarnation=p.remote_incarnation,
-            incarnation_pp=p.remote_incarnation_pp)
+            incarnation_pp=p.remote_incarnation_pp), minting
 
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""
@@ -442,7 +468,7 @@ class Connector:
             if not isinstance(value, kinds):
                 raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
                                          f"got {type(value).__name__}")
-        events: list[ReadRequested | BlocksHeld] = []
+        events: list[tuple[ReadRequested | BlocksHeld, _Minting | None]] = []
         if not set(metadata.lease_ages) <= set(metadata.reqs_to_recv):
             stray = sorted(set(metadata.lease_ages) - set(metadata.reqs_to_recv), key=str)
             raise InvalidInput("lease_ages", f"{stray!r} not in reqs_to_recv")
@@ -459,13 +485,13 @@ class Connector:
                 events.append(self._read_requested(rid, entry[0], entry[1], start))
         for rid, blocks in metadata.reqs_to_send.items():
             with _naming("reqs_to_send", rid):
-                events.append(self._blocks_held(rid, blocks, None))
+                events.append((self._blocks_held(rid, blocks, None), None))
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
-        params: dict[tuple[str, str], str] = {}
+        params: dict[_Minting, str] = {}
         writers: dict[int, str] = {}
-        for ev in events:
-            if isinstance(ev, ReadRequested):
-                first = params.setdefault((ev.engine_id, ev.remote_request_id), ev.request_id)
+        for ev, minting in events:
+            if isinstance(ev, ReadRequested) and minting is not None:
+                first = params.setdefault(minting, ev.request_id)
                 if first != ev.request_id:
                     raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads the params {first!r} loads too: "
                                        "params are single-use", request_id=ev.request_id)
@@ -474,8 +500,8 @@ class Connector:
                     if first != ev.request_id:
                         raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
                                            f"which {first!r} loads into too", request_id=ev.request_id)
-        for ev in events:
-            self._submit(ev)
+        for ev, minting in events:
+            self._submit(ev, minting)
         for rid in aborted:
             self.abort(rid)
         self.step()
@@ -502,18 +528,19 @@ class Connector:
     def _live(self, rid: str) -> bool:
         return rid in self.core.consumers or rid in self._queued[CONSUMER]
 
-    def _live_load(self, p: KVTransferParams) -> str | None:
+    def _live_load(self, minting: _Minting) -> str | None:
         """The live load of these params that the remembered count already pushed out, if any."""
-        rid = self._live_loads.get((p.remote_engine_id, p.remote_request_id))
+        rid = self._live_loads.get(minting)
         if rid is not None and not self._live(rid):
-            del self._live_loads[(p.remote_engine_id, p.remote_request_id)]
+            del self._live_loads[minting]
             return None
         return rid
 
-    def _submit(self, ev: ReadRequested | BlocksHeld) -> None:
+    def _submit(self, ev: ReadRequested | BlocksHeld, minting: _Minting | None = None) -> None:
         if isinstance(ev, ReadRequested):
+            assert minting is not None
             self._queued[CONSUMER].add(ev.request_id)
-            self._loaded[(ev.engine_id, ev.remote_request_id)] = ev.request_id
+            self._loaded[minting] = ev.request_id
             if len(self._loaded) > self.config.tombstones:
                 key, rid = self._loaded.popitem(last=False)
                 if self._live(rid):

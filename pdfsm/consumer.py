@@ -221,6 +221,18 @@ def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -
     return not ev.local_blocks and ev.lease_ns > 0 and times_of(ev, core)[1] <= ev.t_ns
 
 
+def _lease_ended(m: ConsumerRequest, t_ns: int) -> bool:
+    """The lease the params gave is over (past the trust bound): the producer may have released."""
+    req = m.req
+    return req is not None and req.lease_ns > 0 and m.trust > 0 and t_ns >= m.trust
+
+
+def _lease_over_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    """As :func:`_lease_over_notify_only`, found once the engine is ready (the step that applies
+    the handshake's result may come after the lease, before the deadline's tick)."""
+    return m.req is not None and not m.req.local_blocks and _lease_ended(m, ev.t_ns)
+
+
 def _past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """Too late to start reading."""
     return bool(m.deadline) and ev.t_ns >= m.deadline
@@ -400,13 +412,15 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
     m.waited |= m.waiting
 
 
-def _notify_unread(m: ConsumerRequest, core: Core, *, connected_only: bool = False) -> None:
+def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only: bool = False) -> None:
     """Tell every producer rank we will not read (again) that it may release: each completed
     read carried its own notification; the rest, and MLA's skipped ranks, get one here (with
-    ``connected_only``, only the ranks of engines that are connected: the others cannot be told)."""
+    ``connected_only``, only the ranks of engines that are connected: the others cannot be told).
+    Not once the lease the params gave is over: the producer released by itself, and a notice
+    now reads there as a read of reused blocks (vLLM PR 41269's late notices)."""
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
-    if m.done == plan.all_read and not plan.notify_only:
+    if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, t_ns):
         return
     note = Notification(req.remote_request_id, plan.part, plan.of)
     eid = req.engine_id
@@ -424,15 +438,13 @@ def _notify_connected(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     contradict a connected engine (they may name the wrong ranks, or another engine), nor once
     the lease they gave is over (the producer released; a late notice reads as a late read)."""
     req = m.req
-    if req is None or m.plan is None or (req.lease_ns and m.trust and t_ns >= m.trust):
-        return
-    if disagreement(req, core) is None:
-        _notify_unread(m, core, connected_only=True)
+    if req is not None and m.plan is not None and disagreement(req, core) is None:
+        _notify_unread(m, core, t_ns, connected_only=True)
 
 
 def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _accept(m, ev, core)
-    _notify_unread(m, core)
+    _notify_unread(m, core, ev.t_ns)
     core.finished(m, "notified", ev.t_ns)
 
 
@@ -458,7 +470,7 @@ def _notify_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting = 0
     _let_go(m)
     _disarm_deadline(m, core)
-    _notify_unread(m, core)
+    _notify_unread(m, core, ev.t_ns)
     core.finished(m, "notified", ev.t_ns)
 
 
@@ -527,6 +539,13 @@ def _drop(m: ConsumerRequest, ev: ReadRequested, core: Core, error: str, remote_
 
 def _drop_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _drop(m, ev, core, "the producer's lease is over: it releases the blocks itself, unnotified", False)
+
+
+def _drop_lease_over_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
+    _fail(m, "the producer's lease is over: it releases the blocks itself, unnotified", False)
+    m.waiting &= ~(1 << ev.pp_rank)
+    _stop_waiting(m, core)
+    core.finished(m, "dropped", ev.t_ns)
 
 
 def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -659,7 +678,7 @@ def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core)
     _stopped(m, ev)
     _let_go(m)
     _disarm_deadline(m, core)
-    _notify_unread(m, core)
+    _notify_unread(m, core, ev.t_ns)
     core.ready(m)
 
 
@@ -674,7 +693,7 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
         core.deadlines.disarm(m.request_id, m.deadline)
         m.deadline = 0
     if done != plan.all_read or plan.notify_only:
-        _notify_unread(m, core)
+        _notify_unread(m, core, ev.t_ns)
     core.ready(m)
 
 
@@ -785,6 +804,7 @@ TABLE: Final[Table] = Table(
             Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
             Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
             Go(S.HANDSHAKING, _rewatch_lost, when=_held_engine_lost),
+            Go(S.RELEASED, _drop_lease_over_when_ready, when=_lease_over_notify_only_when_ready),
             Go(S.RELEASED, _drop_contradicted_when_ready, when=_disagrees_notify_only_when_ready, fault=remote,
                reason="the params contradict the producer's handshake reply; producer left to its lease",
                explain=_why),

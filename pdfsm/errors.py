@@ -85,7 +85,8 @@ class EngineSyncError(PdfsmError, RuntimeError):
 
 
 class OwnerError(PdfsmError, RuntimeError):
-    """A core was pumped on two threads at once: only one thread may own it at a time."""
+    """A call from a thread that does not own the object: a core pumped on two threads at once,
+    or a Connector called from a thread other than the one that built it."""
 
 
 class ClockDomainError(PdfsmError):

@@ -133,6 +133,10 @@ class Event(msgspec.Struct, frozen=True, gc=False, tag=True, array_like=True):
 
     TARGET: ClassVar[int] = CORE
     DERIVED: ClassVar[bool] = False
+    # Whether a full COUNT inbox may drop it (counted and recorded). Not the answers to what the
+    # owner started (a read's outcome, a handshake's, a peer lost): there are no more of them than
+    # it started, and losing one would leave its machine waiting for ever.
+    DROPPABLE: ClassVar[bool] = True
     source: str
     t_ns: int
 
@@ -149,6 +153,7 @@ class Started(Event, frozen=True):
 
 class Tick(Event, frozen=True):
     """Time has reached ``t_ns``: leases and deadlines at or before it expire."""
+
 
 
 class Collect(Event, frozen=True):
@@ -250,12 +255,16 @@ class HandleFailure(enum.Enum):
 class HandleDone(_ConsumerEvent, frozen=True):
     """The read from remote rank (pp_rank, tp_rank) completed; its bytes are in place."""
 
+    DROPPABLE: ClassVar[bool] = False
+
     pp_rank: int
     tp_rank: int
 
 
 class HandleFailed(_ConsumerEvent, frozen=True):
     """The read from remote rank (pp_rank, tp_rank) stopped without completing."""
+
+    DROPPABLE: ClassVar[bool] = False
 
     pp_rank: int
     tp_rank: int
@@ -308,6 +317,7 @@ class BlocksHeld(_ProducerEvent, frozen=True):
 class NotificationReceived(_ProducerEvent, frozen=True):
     """Consumer part ``part`` of ``of`` says it has read this request's blocks."""
 
+
     part: int
     of: int
     sender: str = ""
@@ -315,6 +325,7 @@ class NotificationReceived(_ProducerEvent, frozen=True):
 
 class Heartbeat(_ProducerEvent, frozen=True):
     """A consumer still intends to read: extend the lease to ``t_ns + extend_ns``."""
+
 
     extend_ns: int
     sender: str = ""
@@ -379,6 +390,8 @@ class EngineWanted(_EngineEvent, frozen=True):
 class HandshakeDone(_EngineEvent, frozen=True):
     """The handshake thread got a reply for attempt ``attempt``."""
 
+    DROPPABLE: ClassVar[bool] = False
+
     attempt: int
     reply: HandshakeReply
 
@@ -386,12 +399,16 @@ class HandshakeDone(_EngineEvent, frozen=True):
 class HandshakeFailed(_EngineEvent, frozen=True):
     """Attempt ``attempt`` failed: timeout, refused, or the transport rejected the peer."""
 
+    DROPPABLE: ClassVar[bool] = False
+
     attempt: int
     error: str
 
 
 class PeerAdded(_EngineEvent, frozen=True):
     """The transport added the remote agents of attempt ``attempt``; reads may start."""
+
+    DROPPABLE: ClassVar[bool] = False
 
     attempt: int
 
@@ -403,6 +420,8 @@ class PeerDisconnected(_EngineEvent, frozen=True):
     about a connection replaced since is told from one about the current connection. 0 means not
     known (logs of schema 1, an adapter that does not track it): taken as the current connection.
     """
+
+    DROPPABLE: ClassVar[bool] = False
 
     detail: str = ""
     attempt: int = 0

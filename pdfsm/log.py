@@ -177,6 +177,8 @@ class EventLog:
                     self._waiting -= 1
                 if not self._closed:
                     return True
+            if not self._closed and not ev.DROPPABLE:  # COUNT: an answer the owner waits for goes in
+                return True
             self._dropped[ev.source] += 1  # COUNT, or closed: nobody will ever apply it
             return False
 

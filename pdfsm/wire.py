@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 MAX_ID_CHARS: Final = 256
-MAX_NOTIFY_BYTES: Final = 1024
+# The longest id any message can carry (4 UTF-8 bytes a character) and the rest of the largest one:
+# every message pdfsm's checks accept fits, so a send never fails on its size.
+MAX_NOTIFY_BYTES: Final = 4 * MAX_ID_CHARS + 64
 MAX_EXTEND_NS: Final = 3_600_000_000_000  # a heartbeat extends a lease by an hour at most
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]

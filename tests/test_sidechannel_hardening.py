@@ -53,7 +53,7 @@ def nested(prefix_map: dict[str, object], depth: int) -> bytes:
 
 def deep_notification() -> bytes:
     """A valid Notification (array-like: trailing elements are skipped) plus one trailing element
-    nested as deep as the 1 KiB cap allows."""
+    nested as deep as the size cap allows."""
     base = notify_codec.encode(Notification("p1", 0, 1))
     assert base[0] == 0x94  # fixarray of 4: tag, request id, part, of
     raw = bytes([0x95]) + base[1:]

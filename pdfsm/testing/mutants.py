@@ -260,7 +260,7 @@ _FOREIGN_CLOCK = _producer("foreign-clock-accepted", on(P.S.NEW, BlocksHeld, Go(
 
 def _notify_and_report(m: C.ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     C._accept(m, ev, core)
-    C._notify_unread(m, core)
+    C._notify_unread(m, core, ev.t_ns)
     core.ready(m)  # the bug: the scheduler is not waiting for it
 
 
@@ -268,7 +268,7 @@ def _notify_and_report_when_ready(m: C.ConsumerRequest, ev: EngineReady, core: C
     m.waiting = 0
     C._let_go(m)
     C._disarm_deadline(m, core)
-    C._notify_unread(m, core)
+    C._notify_unread(m, core, ev.t_ns)
     core.ready(m)  # the bug
 
 
