@@ -178,7 +178,8 @@ class Case:
         self.transport.xfer_mode = mode  # type: ignore[assignment]
         self.n += 1
         rid = f"r{self.n}"
-        params = KVTransferParams(remote_engine_id=self.engine, remote_request_id=f"bench-{self.n}",  # single-use
+        params = KVTransferParams(lease_ns=60_000_000_000,
+                                  remote_engine_id=self.engine, remote_request_id=f"bench-{self.n}",  # single-use
                                   remote_host=self.engine, remote_port=1, remote_block_ids=remote)
         conn = self.conn
         t0 = time.perf_counter()

@@ -104,7 +104,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_block_ids: _BlockIds = ()
     remote_tp_size: _Size = 1
     remote_pp_size: _Size = 1
-    lease_ns: _Duration = 0  # how long the producer holds the blocks (0: unknown)
+    lease_ns: _Duration = 0  # how long the producer holds the blocks: required by parse (0 is refused)
     # When the producer handed the params out, on its wall clock (0: not known): the decode side
     # counts the time they spent on the way (router, queues) against the lease.
     issued_wall_ns: _Duration = 0
@@ -139,6 +139,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         if "remote_tp_size" not in params:  # it plans every read: said, never defaulted
             hint = " (vLLM's tp_size is pdfsm's remote_tp_size)" if "tp_size" in params else ""
             raise InvalidInput("remote_tp_size", f"missing from kv_transfer_params: the producer's TP size{hint}")
+        if not parsed.lease_ns:  # a read would be trusted for the whole read timeout, past a shorter lease
+            raise InvalidInput("lease_ns", "missing or 0 in kv_transfer_params: the producer's lease on the blocks "
+                                           "bounds how long a read of them can be trusted")
         if parsed.remote_incarnation_pp >= parsed.remote_pp_size:
             raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
                                                         f"with PP {parsed.remote_pp_size}")

@@ -91,8 +91,9 @@ class ConsumerRequest:
         self.waited = 0  # bit p: did wait for it (news from it may still be on its way)
         self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
         self.done = 0  # bit i: the read from plan.sources[i] completed
-        self.deadline = 0  # 0: no deadline armed
-        self.trust = 0  # reads completing at or after it are not trusted (0: not known yet)
+        # None: not armed / not known yet (a clock may read 0 or less: no value of it means "none")
+        self.deadline: int | None = None
+        self.trust: int | None = None  # reads completing at or after it are not trusted
         self.error = ""  # the first failure, in words
         self.remote_fault = False
         self.outcome = ""
@@ -224,7 +225,7 @@ def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -
 def _lease_ended(m: ConsumerRequest, t_ns: int) -> bool:
     """The lease the params gave is over (past the trust bound): the producer may have released."""
     req = m.req
-    return req is not None and req.lease_ns > 0 and m.trust > 0 and t_ns >= m.trust
+    return req is not None and req.lease_ns > 0 and m.trust is not None and t_ns >= m.trust
 
 
 def _lease_over_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
@@ -235,12 +236,12 @@ def _lease_over_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core
 
 def _past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """Too late to start reading."""
-    return bool(m.deadline) and ev.t_ns >= m.deadline
+    return m.deadline is not None and ev.t_ns >= m.deadline
 
 
 def _untrusted(m: ConsumerRequest, ev: HandleDone, core: Core) -> bool:
     """Too late to trust a read: it could have completed after the producer reused the blocks."""
-    return bool(m.trust) and ev.t_ns >= m.trust
+    return m.trust is not None and ev.t_ns >= m.trust
 
 
 def _disagrees(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -301,7 +302,7 @@ def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
 def _last_in_flight(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> bool:
     """The common case: the event completes the only read still in flight, in time."""
     i = m.plan.position.get((ev.pp_rank, ev.tp_rank)) if m.plan is not None else None
-    return i is not None and m.pending == 1 << i and (not m.trust or ev.t_ns < m.trust)
+    return i is not None and m.pending == 1 << i and (m.trust is None or ev.t_ns < m.trust)
 
 
 def _untrusted_with_siblings(m: ConsumerRequest, ev: HandleDone, core: Core) -> bool:
@@ -333,9 +334,9 @@ def _arm_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 
 def _disarm_deadline(m: ConsumerRequest, core: Core) -> None:
-    if m.deadline:
+    if m.deadline is not None:
         core.deadlines.disarm(m.request_id, m.deadline)
-        m.deadline = 0
+        m.deadline = None
 
 
 def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
@@ -689,9 +690,9 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     done = m.done = m.done | m.pending
     m.pending = 0
     _let_go(m)
-    if m.deadline:
+    if m.deadline is not None:
         core.deadlines.disarm(m.request_id, m.deadline)
-        m.deadline = 0
+        m.deadline = None
     if done != plan.all_read or plan.notify_only:
         _notify_unread(m, core, ev.t_ns)
     core.ready(m)
@@ -710,7 +711,7 @@ def _abort_reads(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
 
 def _expire_reads(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed before every read completed", True)
-    m.deadline = 0
+    m.deadline = None
     _cancel_reads(m, core)
 
 

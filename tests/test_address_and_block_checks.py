@@ -203,7 +203,8 @@ def test_blocks_of_every_kind_of_finished_load_are_loadable_again_once_reported(
     w, params_a2, params_b = _two_engines_sharing_id()
     pa = w.producers["PA-0"][0]
     w.d.load("refused", [20, 21], params_b)
-    w.d.load("nobody", [22], {"remote_engine_id": "X", "remote_request_id": "x1", "remote_host": "h",
+    w.d.load("nobody", [22], {"lease_ns": 60_000_000_000,
+                              "remote_engine_id": "X", "remote_request_id": "x1", "remote_host": "h",
                               "remote_port": 77, "remote_block_ids": [1], "remote_tp_size": 1})
     w.net.script("hung", 0, 0, ReadScript(end="hang"))
     w.d.load("hung", [23], params_a2)

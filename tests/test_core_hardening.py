@@ -239,7 +239,7 @@ def test_failed_engines_of_unreachable_producers_are_forgotten_eventually() -> N
     d = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(net, "D-0"), SimHandshaker(net),
                   clock=lambda: now[0])
     for i in range(50):
-        d.load(f"d{i}", [1], {"remote_engine_id": f"P{i}", "remote_request_id": f"p{i}",
+        d.load(f"d{i}", [1], {"lease_ns": 60_000_000_000, "remote_engine_id": f"P{i}", "remote_request_id": f"p{i}",
                              "remote_port": 1000 + i, "remote_block_ids": [1], "remote_tp_size": 1})
         for _ in range(3):
             d.get_finished()

@@ -101,7 +101,8 @@ def test_an_absurd_remote_layout_size_is_refused_at_once(field: str) -> None:
         net = SimNetwork()
         c = Connector(CoreConfig(engine_id="D"), SimTransport(net, "D-0"), SimHandshaker(net))
         try:
-            c.load("x", [1], dict(remote_engine_id="P", remote_request_id="p", remote_block_ids=(1,),
+            c.load("x", [1], dict(lease_ns=60_000_000_000,
+                                  remote_engine_id="P", remote_request_id="p", remote_block_ids=(1,),
                                   {field}=2**40))
             print("ACCEPTED")
         except InvalidInput as exc:
@@ -168,7 +169,8 @@ def test_calls_after_shutdown_are_refused(tmp_path: Path) -> None:
     with pytest.raises(PdfsmError):
         c.request_finished("late", [1])
     with pytest.raises(PdfsmError):
-        c.load("late-d", [1], {"remote_engine_id": "Q", "remote_request_id": "q", "remote_block_ids": (1,)})
+        c.load("late-d", [1], {"lease_ns": 60_000_000_000,
+                               "remote_engine_id": "Q", "remote_request_id": "q", "remote_block_ids": (1,)})
 
 
 # --- 6. an invalid CoreConfig is accepted and every later load is blamed on the params ---------------
@@ -208,7 +210,8 @@ def test_a_pp_size_mismatch_names_remote_pp_size() -> None:
     net = SimNetwork()
     c = Connector(CoreConfig(engine_id="D", pp_size=2), SimTransport(net, "D-0"), SimHandshaker(net))
     with pytest.raises(InvalidInput) as err:
-        c.load("x", [1], {"remote_engine_id": "P", "remote_request_id": "p", "remote_block_ids": (1,),
+        c.load("x", [1], {"lease_ns": 60_000_000_000,
+                          "remote_engine_id": "P", "remote_request_id": "p", "remote_block_ids": (1,),
                           "remote_tp_size": 1, "remote_pp_size": 3})
     assert err.value.field == "remote_pp_size", str(err.value)
 

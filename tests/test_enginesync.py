@@ -133,7 +133,8 @@ def handshake_and_read(ids: list[str]) -> list[DecodeRank]:
             conn = Connector(CoreConfig(engine_id="D", compat_hash="h", tp_rank=d, tp_size=2), xfer,
                              SideChannelHandshaker("D"))
             # The router's params come from prefill rank 0; this decode rank's listener is its node's.
-            params = KVTransferParams(remote_engine_id=ids[0], remote_request_id="p1", remote_port=listener.port,
+            params = KVTransferParams(lease_ns=60_000_000_000,
+                                      remote_engine_id=ids[0], remote_request_id="p1", remote_port=listener.port,
                                       remote_block_ids=REMOTE_BLOCKS, remote_tp_size=WORLD)
             conn.load("r1", LOCAL_BLOCKS, params)
             decode.append(DecodeRank(conn, xfer))

@@ -216,7 +216,8 @@ def test_vllm_router_pr_191_params_without_remote_tp_size_are_not_silently_read_
     when a router forwards vLLM NixlConnector's own dict, whose field is ``tp_size``: pdfsm's
     parser ignores the unknown ``tp_size`` and defaults ``remote_tp_size`` to 1 (and ``lease_ns``
     to unknown). Params that do not say the producer's TP size should be refused by name."""
-    vllm_shaped = {"remote_engine_id": "P", "remote_request_id": "p1", "remote_block_ids": [1, 2],
+    vllm_shaped = {"lease_ns": 60_000_000_000,
+                   "remote_engine_id": "P", "remote_request_id": "p1", "remote_block_ids": [1, 2],
                    "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 4,
                    "do_remote_prefill": True, "do_remote_decode": False}
     with pytest.raises(InvalidInput) as err:

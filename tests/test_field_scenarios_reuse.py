@@ -165,7 +165,7 @@ def test_vllm_pr_41269_request_stopping_after_the_lease_sends_no_late_notice_to_
     for _ in range(100):
         rig.step(1)
         m = rig.d[0].core.consumers.get("d1")
-        if m is not None and m.trust:
+        if m is not None and m.trust is not None:
             trust = m.trust
     was = rig.p[0].core.remembered(2, "p1")
     assert was is not None and was.name == "EXPIRED"

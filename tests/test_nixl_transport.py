@@ -743,7 +743,7 @@ class Peer:
         self.proc.stdin.write(f"HOLD {rid} {','.join(map(str, blocks))}\n")
         self.proc.stdin.flush()
         self.wait_for(f"HELD {rid}")
-        return KVTransferParams(remote_engine_id="P", remote_request_id=rid, remote_host=host,
+        return KVTransferParams(lease_ns=60_000_000_000, remote_engine_id="P", remote_request_id=rid, remote_host=host,
                                 remote_port=self.port, remote_block_ids=tuple(blocks), remote_tp_size=tp_size,
                                 remote_pp_size=pp_size)
 

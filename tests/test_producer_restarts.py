@@ -317,7 +317,8 @@ def test_incarnation_bounds_on_params_and_side_channel() -> None:
     from pdfsm.sidechannel import check_reply
     from pdfsm.wire import MAX_ID_CHARS
 
-    base = {"remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
+    base = {"lease_ns": 60_000_000_000,
+            "remote_engine_id": "P", "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
             "remote_block_ids": [1], "remote_tp_size": 1, "remote_pp_size": 1}
     assert KVTransferParams.parse({**base, "remote_incarnation": "x" * MAX_ID_CHARS}).remote_incarnation
     with pytest.raises((PdfsmError, ValueError)):

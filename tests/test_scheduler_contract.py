@@ -111,6 +111,7 @@ def test_vllm_shaped_transfer_params_are_refused_by_name() -> None:
     w = World(p_tp=2)
     w.prefill("p1", [1, 2])
     vllm_params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
+                   "lease_ns": 60_000_000_000,
                    "remote_engine_id": "P", "remote_request_id": "p1", "remote_host": "127.0.0.1",
                    "remote_port": 9, "tp_size": 2}
     with pytest.raises(InvalidInput) as err:
@@ -187,7 +188,7 @@ def test_a_step_of_many_requests_over_a_tiny_inbox_reports_each_once_with_only_f
     here a quarter of them name a producer that refuses handshakes and some reads end ERR."""
     n = 1200
     w = _Pair(num_blocks=n + 8, log=lambda: EventLog(inbox_limit=8, overflow=Overflow.COUNT))
-    dead = {"remote_engine_id": "X", "remote_host": "127.0.0.1", "remote_port": 77}
+    dead = {"lease_ns": 60_000_000_000, "remote_engine_id": "X", "remote_host": "127.0.0.1", "remote_port": 77}
     reqs: dict[str, tuple[tuple[int, ...], Any]] = {}
     for i in range(n):
         params = w.p.request_finished(f"p{i}", [i])
@@ -305,7 +306,8 @@ def test_holds_whose_request_failed_to_load_are_released_once_and_at_once() -> N
     assert sent == {"r": 1} and got == {"back": 1} and w.pt.block(7) == pattern("D-0", 5, 64)
 
     w2 = _Pair()
-    early = KVTransferParams(remote_engine_id="P", remote_request_id="p5", remote_port=9, remote_block_ids=(2,))
+    early = KVTransferParams(lease_ns=60_000_000_000,
+                             remote_engine_id="P", remote_request_id="p5", remote_port=9, remote_block_ids=(2,))
     w2.net.script("d5", 0, 0, ReadScript(polls=0, end="err"))
     w2.d.load("d5", [5], early)
     w2.step(4)

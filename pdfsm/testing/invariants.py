@@ -108,7 +108,7 @@ def nothing_overdue(w: World) -> None:
     for name, core in zip(w._core_names(), w._cores(), strict=True):
         for table, timers in ((core.consumers, core.deadlines), (core.producers, core.leases)):
             for key, m in table.items():
-                if m.deadline and m.deadline <= w.last_tick and key in timers:
+                if m.deadline is not None and m.deadline <= w.last_tick and key in timers:
                     w.fail(f"{name}: {key} is overdue: its deadline {m.deadline} passed at the tick of "
                            f"{w.last_tick}, and it is still {m.state}")
 
