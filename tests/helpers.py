@@ -22,7 +22,7 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.log import EventLog, MemorySink
-from transports.sim import SimHandshaker, SimNetwork, SimTransport
+from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
 E = TypeVar("E", bound=Event)
 
@@ -161,3 +161,59 @@ class SimPair:
             failed += self.d.last.failed
             sent += sorted(self.p.get_finished()[0])
         return recv, sent, failed
+
+
+S = 1_000_000_000  # one second in ns
+LEASE_BLOCK = 64  # bytes per simulated block of LeaseWorld
+
+
+class LeaseWorld:
+    """A producer and a decode worker over one simulated network. ``now`` is the true time; each
+    side reads it through its own clock (``d_skew``: how far the decode worker's CLOCK_MONOTONIC
+    lags the true time, as on a node that booted later)."""
+
+    def __init__(self, *, p_lease_ns: int = 4 * S, d_skew: int = 0, start: int = 20 * S, num_blocks: int = 64,
+                 d_config: dict[str, Any] | None = None, p_config: dict[str, Any] | None = None) -> None:
+        self.net, self.now, self.d_skew = SimNetwork(), start, d_skew
+        self.prod = SimTransport(self.net, "P-0", num_blocks=num_blocks, block_bytes=LEASE_BLOCK)
+        self.prod.fill(range(num_blocks))
+        p_cfg = CoreConfig(engine_id="P", compat_hash="h", lease_ns=p_lease_ns, **(p_config or {}))
+        self.p = Connector(p_cfg, self.prod, SimHandshaker(self.net), clock=lambda: self.now,
+                           wall_clock=lambda: self.now, port=9)
+        prod = self.prod
+        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(prod.rank_info(),)))
+        self.cons = SimTransport(self.net, "D-0", num_blocks=num_blocks, block_bytes=LEASE_BLOCK)
+        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
+                           SimHandshaker(self.net), clock=lambda: self.now - self.d_skew,
+                           wall_clock=lambda: self.now)  # NTP keeps wall clocks together
+        self.received: list[str] = []
+        self.failed: dict[str, HandOff] = {}
+        self.released: list[str] = []
+        self.expired: list[str] = []
+
+    def run(self, steps: int = 4, dt: int = 0) -> None:
+        """Step both sides ``steps`` times, the true time ``dt`` ns further before each."""
+        for _ in range(steps):
+            self.now += dt
+            got = self.d.get_finished()[1]
+            for off in self.d.last.failed:
+                self.failed[off.request_id] = off
+            self.received += sorted(got - set(self.failed) - self.d.last.aborted)
+            self.released += sorted(self.p.get_finished()[0])
+            self.expired += sorted(self.p.last.expired)
+
+    def connect(self) -> None:
+        """Connect the decode worker to the producer with one request run to the end."""
+        self.d.load("warm-up", [63], self.p.request_finished("warm-up", [63]))
+        self.run(3)
+        assert self.received == ["warm-up"] and self.released == ["warm-up"]
+        self.received.clear()
+        self.released.clear()
+
+    def reuse(self, blocks: list[int]) -> None:
+        """The producer's scheduler hands freed blocks to another request, which overwrites them."""
+        for b in blocks:
+            self.prod.memory[b * LEASE_BLOCK:(b + 1) * LEASE_BLOCK] = pattern("another-request", b, LEASE_BLOCK)
+
+    def read_bytes_ok(self, local: list[int], remote: list[int]) -> bool:
+        return all(self.cons.block(lb) == pattern("P-0", rb, LEASE_BLOCK) for lb, rb in zip(local, remote, strict=True))

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 import pytest
 import torch
-from transport_helpers import StepRank, run_until, zero_kv
+from transport_helpers import PeerProcess, StepRank, run_until, zero_kv
 
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams
@@ -74,51 +74,19 @@ def expected(seed: int, regions: int, blocks: int, block_bytes: int) -> list[tor
     return out
 
 
-class Producer:
+class Producer(PeerProcess):
     """tests/nixl_peer.py in its own process, under an agent name we choose (so that a restart
-    can reuse it); lines over pipes."""
+    can reuse it)."""
 
     def __init__(self, agent: str, blocks: int = 64, block_bytes: int = 4096, seed: int = 1,
                  sidechannel: bool = False) -> None:
-        self.agent = agent
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        extra = ["--sidechannel"] if sidechannel else []
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "nixl_peer.py"), "--agent", agent, "--blocks", str(blocks),
-             "--block-bytes", str(block_bytes), "--seed", str(seed), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.wait_for("READY", timeout=60)
-        with self._cv:
-            rank = next(line for line in self.lines if line.startswith("RANK "))
-        self.info = msgspec.msgpack.decode(bytes.fromhex(rank.split()[1]), type=RankInfo)
+        super().__init__(agent, blocks, block_bytes, *(["--sidechannel"] if sidechannel else []), seed=seed,
+                         quiet=True)
+        self.info = msgspec.msgpack.decode(bytes.fromhex(self.wait_for("RANK ").split()[1]), type=RankInfo)
         self.port = int(self.wait_for("SIDECHANNEL ").split()[1]) if sidechannel else 1
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cv:
-                self.lines.append(line.strip())
-                self._cv.notify_all()
-
-    def wait_for(self, prefix: str, timeout: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise AssertionError(f"no {prefix!r} from the producer; got {self.lines[-5:]}")
-                self._cv.wait(left)
-
     def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"HOLD {rid} {','.join(map(str, blocks))}\n")
-        self.proc.stdin.flush()
+        self.send(f"HOLD {rid} {','.join(map(str, blocks))}")
         self.wait_for(f"HELD {rid}")
         return KVTransferParams(remote_engine_id="P", remote_request_id=rid, remote_host="127.0.0.1",
                                 remote_port=self.port, remote_block_ids=tuple(blocks),
@@ -136,18 +104,8 @@ class Producer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write("QUIT\n")
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot read QUIT
+        super().stop()
 
 
 def sigstop(p: Producer) -> None:

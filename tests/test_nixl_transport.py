@@ -17,8 +17,6 @@ import itertools
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +26,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from transport_helpers import StepRank, random_kv, run_until, zero_kv
+from transport_helpers import PeerProcess, StepRank, random_kv, run_until, zero_kv
 
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams
@@ -694,72 +692,24 @@ def test_capabilities_and_bad_tensors() -> None:
 # --- a producer in another OS process --------------------------------------------------------------
 
 
-class Peer:
-    """tests/nixl_peer.py in a subprocess; lines over pipes, nothing pickled."""
+class Peer(PeerProcess):
+    """tests/nixl_peer.py in a subprocess, as the producer engine (every rank of it with --all-ranks)."""
 
     def __init__(self, blocks: int, block_bytes: int, regions: int = 2, seed: int = 1, *extra: str) -> None:
-        self.agent = name("peer")
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "nixl_peer.py"), "--agent", self.agent, "--blocks", str(blocks),
-             "--block-bytes", str(block_bytes), "--regions", str(regions), "--seed", str(seed), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self.lines: list[str] = []
-        self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.wait_for("READY", timeout=60)
+        super().__init__(name("peer"), blocks, block_bytes, *extra, regions=regions, seed=seed)
         with self._cv:
             self.infos = [msgspec.msgpack.decode(bytes.fromhex(line.split()[1]), type=RankInfo)
                           for line in self.lines if line.startswith("RANK ")]
         self.info = self.infos[0]
         self.port = int(self.wait_for("SIDECHANNEL ").split()[1]) if "--sidechannel" in extra else 1
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cv:
-                self.lines.append(line.strip())
-                self._cv.notify_all()
-
-    def wait_for(self, prefix: str, timeout: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise AssertionError(f"no {prefix!r} from the peer; got {self.lines[-5:]}")
-                self._cv.wait(left)
-
-    def has(self, prefix: str) -> bool:
-        with self._cv:
-            return any(line.startswith(prefix) for line in self.lines)
-
     def hold(self, rid: str, blocks: list[int], *, host: str = "peer", tp_size: int = 1,
              pp_size: int = 1) -> KVTransferParams:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"HOLD {rid} {','.join(map(str, blocks))}\n")
-        self.proc.stdin.flush()
+        self.send(f"HOLD {rid} {','.join(map(str, blocks))}")
         self.wait_for(f"HELD {rid}")
         return KVTransferParams(lease_ns=60_000_000_000, remote_engine_id="P", remote_request_id=rid, remote_host=host,
                                 remote_port=self.port, remote_block_ids=tuple(blocks), remote_tp_size=tp_size,
                                 remote_pp_size=pp_size)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write("QUIT\n")
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def consumer_of(peer: Peer, blocks: int, block_bytes: int, regions: int = 2, **kw: Any) -> Rank:

@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 import pytest
-from helpers import connected, ev, make_core, read, reply, tick
+from helpers import LeaseWorld, S, connected, ev, make_core, read, reply, tick
 
 from pdfsm.commands import FinishedSending, HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector
@@ -34,58 +34,11 @@ from pdfsm.fsm import Fault
 from pdfsm.producer import S as P
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
 
-S = 1_000_000_000
 BB = 64  # bytes per simulated block
 
 
 def _finished(core: Any) -> list[FinishedSending]:
     return [c for c in core.take_commands() if isinstance(c, FinishedSending)]
-
-
-class World:
-    """A producer and a decode Connector over one simulated network, on one true clock."""
-
-    def __init__(self, *, p_lease_ns: int = 4 * S, d_config: dict[str, Any] | None = None,
-                 p_config: dict[str, Any] | None = None) -> None:
-        self.net, self.now = SimNetwork(), 20 * S
-        self.prod = SimTransport(self.net, "P-0", block_bytes=BB)
-        self.prod.fill(range(64))
-        self.p = Connector(CoreConfig(engine_id="P", compat_hash="h", lease_ns=p_lease_ns, **(p_config or {})),
-                           self.prod, SimHandshaker(self.net), clock=lambda: self.now, wall_clock=lambda: self.now,
-                           port=9)
-        prod = self.prod
-        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(prod.rank_info(),)))
-        self.cons = SimTransport(self.net, "D-0", block_bytes=BB)
-        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
-                           SimHandshaker(self.net), clock=lambda: self.now, wall_clock=lambda: self.now)
-        self.received: list[str] = []
-        self.failed: dict[str, HandOff] = {}
-        self.released: list[str] = []
-        self.expired: list[str] = []
-
-    def run(self, steps: int = 4, dt: int = 1000) -> None:
-        for _ in range(steps):
-            self.now += dt
-            got = self.d.get_finished()[1]
-            for off in self.d.last.failed:
-                self.failed[off.request_id] = off
-            self.received += sorted(got - set(self.failed) - self.d.last.aborted)
-            self.released += sorted(self.p.get_finished()[0])
-            self.expired += sorted(self.p.last.expired)
-
-    def connect(self) -> None:
-        self.d.load("warm-up", [63], self.p.request_finished("warm-up", [63]))
-        self.run(3)
-        assert self.received == ["warm-up"] and self.released == ["warm-up"]
-        self.received.clear()
-        self.released.clear()
-
-    def reuse(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.prod.memory[b * BB:(b + 1) * BB] = pattern("another-request", b, BB)
-
-    def bytes_ok(self, local: list[int], remote: list[int]) -> bool:
-        return all(self.cons.block(lb) == pattern("P-0", rb, BB) for lb, rb in zip(local, remote, strict=True))
 
 
 # --- consumer trust bound: sentinel values --------------------------------------------------------------
@@ -132,7 +85,7 @@ def test_params_without_lease_ns_are_not_trusted_past_the_producers_lease() -> N
     and its blocks were reused. Decode must not report it received (refuse params without a
     lease, or bound trust some other way). pdfsm refuses them (it once trusted the read until the
     read timeout)."""
-    w = World(p_lease_ns=4 * S)
+    w = LeaseWorld(p_lease_ns=4 * S)
     w.connect()
     params = w.p.request_finished("p1", [1, 2]).to_dict()
     del params["lease_ns"], params["issued_wall_ns"]
@@ -225,20 +178,20 @@ def test_one_ns_and_maximum_lease_overrides() -> None:
     failed with its blocks invalid, nothing posted) and the producer expires the hold at the next
     step, reported once. lease_ns=2**62 (the documented maximum) is held, read and released by
     the notification; 2**62+1 is refused by name."""
-    w = World()
+    w = LeaseWorld()
     w.connect()
     p1 = w.p.request_finished("p1", [1], lease_ns=1)
     assert p1.lease_ns == 1
     w.d.load("d1", [5], p1)
-    w.run(3)
+    w.run(3, dt=1000)
     assert w.expired == ["p1"] and w.released == ["p1"]
     assert "d1" in w.failed and w.failed["d1"].invalid_blocks == (5,) and "d1" not in w.received
     p2 = w.p.request_finished("p2", [2], lease_ns=1 << 62)
     w.now += 3600 * S
     w.d.load("d2", [6], p2)
-    w.run(4)
+    w.run(4, dt=1000)
     assert w.received == ["d2"] and w.released == ["p1", "p2"] and w.expired == ["p1"]
-    assert w.bytes_ok([6], [2])
+    assert w.read_bytes_ok([6], [2])
     with pytest.raises(InvalidInput) as exc:
         w.p.request_finished("p3", [3], lease_ns=(1 << 62) + 1)
     assert exc.value.field == "lease_ns"
@@ -249,11 +202,11 @@ def test_producer_shutdown_with_holds_outstanding() -> None:
     notification is being delivered in the shutdown step: no exception; the released one is in
     the last report once, the outstanding hold is not reported (docs/embedding.md), and every
     later call but shutdown raises ConnectorClosed."""
-    w = World()
+    w = LeaseWorld()
     w.connect()
     w.p.request_finished("held", [1])
     p2 = w.p.request_finished("done", [2])
-    w.run(1)
+    w.run(1, dt=1000)
     w.d.load("d2", [6], p2)
     w.d.get_finished()
     w.d.get_finished()  # the read completes, its notification is in the producer's inbox

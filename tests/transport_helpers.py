@@ -1,9 +1,15 @@
-"""What the NIXL and torch transport tests share: KV tensors, a Connector-driven rank, waiting."""
+"""What the NIXL and torch transport tests share: KV tensors, a Connector-driven rank, waiting, and
+tests/nixl_peer.py run as another OS process."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,3 +55,67 @@ def run_until(ranks: Sequence[StepRank], done: Callable[[], bool], timeout: floa
             rk.step()
         if pause:
             time.sleep(pause)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class PeerProcess:
+    """tests/nixl_peer.py in a subprocess, under agent name ``agent``; its lines over a pipe,
+    nothing pickled. ``wait_for`` blocks for a line; ``stop`` asks it to quit, then kills."""
+
+    def __init__(self, agent: str, blocks: int, block_bytes: int, *extra: str, regions: int = 2, seed: int = 1,
+                 quiet: bool = False) -> None:
+        self.agent = agent
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "nixl_peer.py"), "--agent", agent, "--blocks", str(blocks),
+             "--block-bytes", str(block_bytes), "--regions", str(regions), "--seed", str(seed), *extra],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if quiet else None, text=True,
+            env=env, cwd=ROOT)
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.wait_for("READY", timeout=60)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cv:
+                self.lines.append(line.strip())
+                self._cv.notify_all()
+
+    def wait_for(self, prefix: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for line in self.lines:
+                    if line.startswith(prefix):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise AssertionError(f"no {prefix!r} from the peer; got {self.lines[-5:]}")
+                self._cv.wait(left)
+
+    def has(self, prefix: str) -> bool:
+        with self._cv:
+            return any(line.startswith(prefix) for line in self.lines)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write("QUIT\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
