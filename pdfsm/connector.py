@@ -111,7 +111,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     # The minting producer rank's transport incarnation (""): a consumer refuses params that name
     # none of the engine's current ranks (a producer restarted under the same id, smg PR 2492).
     remote_incarnation: _Incarnation = ""
-    remote_incarnation_pp: _Rank = 0  # the minting rank's PP stage: only its handshake reply can confirm it
+    remote_incarnation_pp: _Rank | None = None  # the minting rank's PP stage (None: not said, older producers)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -142,7 +142,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         if not parsed.lease_ns:  # a read would be trusted for the whole read timeout, past a shorter lease
             raise InvalidInput("lease_ns", "missing or 0 in kv_transfer_params: the producer's lease on the blocks "
                                            "bounds how long a read of them can be trusted")
-        if parsed.remote_incarnation_pp >= parsed.remote_pp_size:
+        if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
             raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
                                                         f"with PP {parsed.remote_pp_size}")
         return parsed

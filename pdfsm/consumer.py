@@ -27,7 +27,7 @@ it implies none of the options after it hold, so it only saves their cost.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
@@ -41,8 +41,8 @@ from pdfsm.events import (
     EvictRequested,
     HandleDone,
     HandleFailed,
-    HandshakeReply,
     Quarantined,
+    RankInfo,
     ReadRequested,
     Reported,
     Source,
@@ -162,28 +162,42 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
                 f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
     if r.num_blocks and req.remote_blocks and (top := max(req.remote_blocks)) >= r.num_blocks:
         return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks"
-    if req.incarnation and pp == req.incarnation_pp and _foreign(req, r):
+    stage = 0 if req.incarnation_pp is None and req.remote_pp == 1 else req.incarnation_pp
+    if req.incarnation and pp == stage and _foreign(req, r.ranks):
         return (f"the params were minted by producer incarnation {req.incarnation!r}, none of {req.engine_id} "
                 f"pp_rank {pp}'s ranks now: it restarted under the same engine id, and the blocks they name "
                 "are another process's")
     return None
 
 
-def _foreign(req: ReadRequested, r: HandshakeReply) -> bool:
-    """The params were minted by none of the ranks this reply lists (each says its incarnation)."""
-    said = {rank.incarnation for rank in r.ranks}
+def _foreign(req: ReadRequested, ranks: Iterable[RankInfo]) -> bool:
+    """The params were minted by none of these ranks (each says its incarnation)."""
+    said = {rank.incarnation for rank in ranks}
     return bool(said) and "" not in said and req.incarnation not in said
 
 
 def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
     """(pp_rank, why) for each connected engine a request contradicts (a notify-only one too: it
     would notify the wrong ranks, or another engine)."""
-    for pp in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
+    pps = core.plan(req.remote_tp, req.remote_pp).pp_ranks
+    found = False
+    for pp in pps:
         e = core.engines.get((req.engine_id, pp))
         if e is not None and e.state is CONNECTED:
             why = _contradiction(e, req, pp)
             if why is not None:
+                found = True
                 yield pp, why
+    if found or not req.incarnation or req.incarnation_pp is not None or req.remote_pp == 1:
+        return
+    # PP params that do not say their minting stage (older producers): judged against every stage
+    # at once, once all are connected; a plan that reads some stages only cannot tell.
+    engines = [core.engines.get((req.engine_id, pp)) for pp in pps]
+    replies = [e.reply for e in engines if e is not None and e.state is CONNECTED and e.reply is not None]
+    if len(replies) == len(pps) == req.remote_pp and _foreign(req, (rank for r in replies for rank in r.ranks)):
+        for pp in pps:
+            yield pp, (f"the params were minted by producer incarnation {req.incarnation!r}, none of "
+                       f"{req.engine_id}'s ranks now: it restarted under the same engine id")
 
 
 def disagreement(req: ReadRequested, core: Core) -> str | None:
@@ -418,10 +432,14 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     read carried its own notification; the rest, and MLA's skipped ranks, get one here (with
     ``connected_only``, only the ranks of engines that are connected: the others cannot be told).
     Not once the lease the params gave is over: the producer released by itself, and a notice
-    now reads there as a read of reused blocks (vLLM PR 41269's late notices)."""
+    now reads there as a read of reused blocks (vLLM PR 41269's late notices). Not when the
+    params contradict a connected engine of the plan either: they may name the wrong ranks, or
+    another engine, or a process that has restarted since (its successor never held them)."""
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
     if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, t_ns):
+        return
+    if disagreement(req, core) is not None:
         return
     note = Notification(req.remote_request_id, plan.part, plan.of)
     eid = req.engine_id
@@ -435,11 +453,9 @@ def _notify_connected(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     """A request that stops before reading (its handshakes failed, timed out or were aborted)
     tells the ranks of each engine of its plan that is connected that they may release: only the
     ones still handshaking have no connection to notify over (a PP producer's stage 0 connected
-    while stage 1 failed would otherwise pin the blocks for a whole lease). Not when the params
-    contradict a connected engine (they may name the wrong ranks, or another engine), nor once
-    the lease they gave is over (the producer released; a late notice reads as a late read)."""
-    req = m.req
-    if req is not None and m.plan is not None and disagreement(req, core) is None:
+    while stage 1 failed would otherwise pin the blocks for a whole lease). The rules of
+    :func:`_notify_unread` hold."""
+    if m.req is not None and m.plan is not None:
         _notify_unread(m, core, t_ns, connected_only=True)
 
 
@@ -804,11 +820,11 @@ TABLE: Final[Table] = Table(
             EngineReady,
             Illegal(local, "not waiting for that engine", when=_not_waiting_for_it),
             Go(S.HANDSHAKING, _engine_ready, when=_other_engines_pending),
-            Go(S.HANDSHAKING, _rewatch_lost, when=_held_engine_lost),
-            Go(S.RELEASED, _drop_lease_over_when_ready, when=_lease_over_notify_only_when_ready),
             Go(S.RELEASED, _drop_contradicted_when_ready, when=_disagrees_notify_only_when_ready, fault=remote,
                reason="the params contradict the producer's handshake reply; producer left to its lease",
                explain=_why),
+            Go(S.RELEASED, _drop_lease_over_when_ready, when=_lease_over_notify_only_when_ready),
+            Go(S.HANDSHAKING, _rewatch_lost, when=_held_engine_lost),
             Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
             Go(S.FAILED, _timed_out_ready, when=_past_deadline),
             Go(S.FAILED, _refused_when_ready, when=_disagrees_when_ready, fault=remote,

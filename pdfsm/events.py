@@ -217,7 +217,9 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     lease_ns: int = 0  # the producer's lease on the blocks, as its params said (0: unknown)
     lease_start_ns: int | None = None  # when that lease was last (re)started, on this clock; default t_ns
     incarnation: str = ""  # the minting producer rank's, as its params said ("": not said, not checked)
-    incarnation_pp: int = 0  # the PP stage of that rank: the one stage whose reply can confirm it
+    # The PP stage of that rank, whose reply alone can confirm it (None: not said, as in params and
+    # logs from before this field: judged against every stage's replies at once).
+    incarnation_pp: int | None = None
 
 
 class EngineReady(_ConsumerEvent, frozen=True):

@@ -279,6 +279,31 @@ def _reachable(version: int, chain: Mapping[int, Upcaster] = UPCASTERS) -> bool:
 # --- encoding --------------------------------------------------------------------------------------
 
 
+def _unknown_event_types(payload: bytes) -> list[str]:
+    """The event type names of a frame's rows that this pdfsm does not know (rows are arrays
+    whose second element, the event, is an array tagged with its class name)."""
+    try:
+        rows = msgspec.msgpack.decode(payload)
+    except (msgspec.MsgspecError, RecursionError):
+        return []
+    known = {cls.__name__ for cls in ALL_EVENTS}
+    tags = {row[1][0] for row in rows if isinstance(row, list) and len(row) > 1 and isinstance(row[1], list)
+            and row[1] and isinstance(row[1][0], str)} if isinstance(rows, list) else set()
+    return sorted(tags - known)
+
+
+def _same_writer(earlier: list[SegmentHeader], header: SegmentHeader, path: Path) -> None:
+    """Every segment of one log names the same worker (when its writer said one): a segment of
+    another worker's log, copied in under a name that fits the sequence, is refused. (Each
+    segment's CRC chain starts at its own header, so nothing else would tell.)"""
+    if not earlier:
+        return
+    first, now = earlier[0].meta.get("worker"), header.meta.get("worker")
+    if first is not None and now is not None and first != now:
+        raise CorruptLogError(f"segment of worker {now!r} in the log of worker {first!r}: logs of two "
+                              "workers mixed", path=path, offset=0)
+
+
 class SegmentHeader(NamedTuple):
     format: int
     start_seq: int
@@ -692,6 +717,7 @@ class LogReader:
             try:
                 for item in _walk(path, last=i == len(paths) - 1, cap=self.cap, expect=self.next_seq):
                     if isinstance(item, SegmentHeader):
+                        _same_writer(self.headers, item, path)
                         self.headers.append(item)
                         header_size, self.next_seq = item.size, item.start_seq
                     else:
@@ -725,6 +751,11 @@ class LogReader:
                     raw = msgspec.msgpack.decode(fr.payload, type=list[list[Any]])
                     recs = msgspec.convert(upcast(raw, schema, current=SCHEMA_VERSION), list[Record])
             except (msgspec.MsgspecError, RecursionError) as e:
+                unknown = _unknown_event_types(fr.payload)
+                if unknown:  # intact (its CRC held), written by a pdfsm that knows more events
+                    raise UnsupportedVersionError(f"event types {unknown} are unknown to this reader: the log was "
+                                                  "written by a newer pdfsm, upgrade pdfsm", path=path,
+                                                  offset=fr.offset) from e
                 raise CorruptLogError(f"payload does not decode as schema {schema}: {e}",
                                       path=path, offset=fr.offset) from e
             # The count is checked first: the frame's own count must not size anything we build.

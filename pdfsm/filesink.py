@@ -41,6 +41,7 @@ never has a half-written header. ``close`` writes what is queued, fsyncs
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import secrets
 import threading
@@ -172,8 +173,9 @@ class FileSink:
         self.batch_records: Final = batch_records
         self.max_frame_bytes: Final = max_frame_bytes
         self.on_ack: Final = on_ack
+        # Which pdfsm wrote it: a divergence on replay may be a replayer of another version.
         self.metadata: Final[dict[str, Any]] = {"created_ns": time.time_ns(), "pid": os.getpid(),
-                                                **(metadata or {})}
+                                                "pdfsm_version": version(), **(metadata or {})}
         _make_dirs(self.directory)
         self._lock = lock_writer(self.directory)
         try:  # the lock is let go if recovery or the first segment fails
@@ -498,3 +500,10 @@ class FileSink:
             self._segments.append(final)
         self.bytes_written += len(header)
 
+
+def version() -> str:
+    """The installed pdfsm version ("unknown" from a source tree that is not installed)."""
+    try:
+        return importlib.metadata.version("pdfsm")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"

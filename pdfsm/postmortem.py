@@ -44,6 +44,7 @@ from pdfsm.filelog import (
     segment_paths,
     writer_holds,
 )
+from pdfsm.filesink import version as _version
 from pdfsm.log import EventLog, Record
 from pdfsm.replay import (
     Divergence,
@@ -297,6 +298,11 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         out.status, out.error = "no_log", f"{path}: does not exist"
         return out
     files = segment_paths(path)
+    if path.is_file() and path.stat().st_size == 0 and not _segment_named(path):
+        # An empty file named like no segment (the writer's lock file) cannot be a segment whose
+        # creation was cut short: it is not a log, not a torn one.
+        out.status, out.error = "no_log", f"{path}: not a log segment (an empty file)"
+        return out
     if not files or not all(f.is_file() for f in files):
         moved = sorted(c.name for c in path.iterdir() if ".torn." in c.name) if path.is_dir() else []
         aside = f" ({', '.join(moved)} moved aside by --repair)" if moved else ""
@@ -347,8 +353,8 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
         return log
     records, first = log.records, log.records[0].seq
     if first != 0:  # the machines' earlier history is gone: nothing to rebuild them from
-        log.replay_note = (f"not replayed: the log starts at seq {first} (older segments were deleted, "
-                           "keep_segments); summarized from its records")
+        log.replay_note = (f"not replayed: the log starts at seq {first} (a later segment named alone, or "
+                           "older segments removed by keep_segments); summarized from its records")
         return log
     if log.gaps:  # the core applied records the file never got: replay can check only up to them
         cut = log.gaps[0].first_seq
@@ -384,6 +390,10 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
         log.error = f"divergence at seq {at[0]}: replay stopped: {type(e).__name__}: {e}"
     finally:
         bar.stop()
+    wrote, mine = log.meta.get("pdfsm_version"), _version()
+    if log.status == "divergence" and wrote and wrote != mine:
+        log.error += (f" (written by pdfsm {wrote}, replayed by {mine}: a table or field that changed between "
+                      "them diverges too; replay with the version the engine ran)")
     return log
 
 
@@ -718,3 +728,8 @@ def replay_command(args: argparse.Namespace) -> int:
     if code == Exit.USAGE:
         print(f"pdfsm replay: request {args.request!r} is in none of the logs", file=sys.stderr)
     return code
+
+
+def _segment_named(path: Path) -> bool:
+    name = path.name
+    return name.endswith(SEGMENT_SUFFIX) and name[: -len(SEGMENT_SUFFIX)].isdigit()

@@ -145,11 +145,12 @@ def _pp_replies(core: Any, incarnations: tuple[str, str]) -> None:
 
 @pytest.mark.parametrize(("minted_by", "stage", "reads"), [
     ("stage1", 1, True), ("stage0", 0, True), ("gone", 0, False), ("gone", 1, False), ("stage0", 1, False),
-    ("", 0, True)])
-def test_pp_params_are_judged_by_the_minting_stage_incarnation(minted_by: str, stage: int, reads: bool) -> None:
+    ("", 0, True), ("stage1", None, True), ("gone", None, False)])
+def test_pp_params_are_judged_by_the_minting_stage_incarnation(minted_by: str, stage: int | None, reads: bool) -> None:
     """A PP producer's params are minted by one stage's rank and say which stage: they are good
     when that stage's reply names their incarnation, stale when it does not (even if another stage
-    happens to), and unchecked when they name none."""
+    happens to), and unchecked when they name none. Params that do not say the stage (an older
+    producer's) are judged against every stage's reply at once."""
     core = make_core()
     core.apply(read("r", remote_pp=2, remote_tp=2, incarnation=minted_by, incarnation_pp=stage))
     _pp_replies(core, ("stage0", "stage1"))

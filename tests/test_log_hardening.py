@@ -270,7 +270,7 @@ def test_a_trimmed_log_is_summarized_not_reported_as_divergence(tmp_path: Path,
     core.log.close()
     assert sink.segments_deleted > 0
     code, out, _ = _run(capsys, "replay", str(tmp_path / "log"))
-    assert code == 0 and "not replayed" in out and "older segments were deleted" in out
+    assert code == 0 and "not replayed" in out and "removed by keep_segments" in out
     code, out, _ = _run(capsys, "replay", "--json", str(tmp_path / "log"))
     (log,) = json.loads(out)["logs"]
     assert code == 0 and log["replayed"] is False and "starts at seq" in log["replay_note"]

@@ -59,7 +59,8 @@ def test_stale_incarnation_pp_params_stopped_while_stage1_handshakes_notify_nobo
     params say stage 0 minted them (``incarnation_pp``), and stage 0's reply does not name them."""
     core = make_core(read_timeout_ns=1_000)
     notify_only = how.startswith("notify-only")
-    core.apply(read("r", remote_pp=2, remote_tp=2, blocks=() if notify_only else (1, 2), incarnation="old-0"))
+    core.apply(read("r", remote_pp=2, remote_tp=2, blocks=() if notify_only else (1, 2), incarnation="old-0",
+                    incarnation_pp=0))
     _connect_stage(core, 0, "new-0")
     assert core.consumers["r"].state.name == "HANDSHAKING"
     core.take_commands()
