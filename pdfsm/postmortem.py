@@ -217,6 +217,14 @@ def make_progress(enabled: bool | None, *, json_mode: bool = False) -> Progress:
 # --- reading ------------------------------------------------------------------------------------------
 
 
+def log_path(arg: str) -> str:
+    """argparse type of a LOG argument: an empty one is refused (``Path("")`` is the working
+    directory, so an unset shell variable would quietly replay whatever is there)."""
+    if not arg.strip():
+        raise argparse.ArgumentTypeError("an empty path names no log")
+    return arg
+
+
 def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
     """(name, path) per log. A directory without segments whose subdirectories hold logs stands
     for those logs (sorted by name). A log is named after its directory (a segment file after the
@@ -624,7 +632,7 @@ def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequen
 
 
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("logs", nargs="+", metavar="LOG",
+    p.add_argument("logs", nargs="+", metavar="LOG", type=log_path,
                    help="a log directory, a segment file, or a directory of worker logs (pdfsm demo --log-dir)")
     p.add_argument("--at", action="append", default=[], metavar="SEQ|LOG:SEQ",
                    help="each machine's state after record SEQ (of every log; LOG:SEQ for one log; repeatable)")

@@ -373,3 +373,15 @@ def test_nixl_pp2_demo_logs_reproduce_every_machine_at_every_point(tmp_path: Pat
         assert _check_every_point(records) > 0
         faults |= {(type(r.event).__name__, r.fault.value) for r in records if r.fault is not None}
     assert faults == {("LeaseExpired", "remote")}
+
+
+@pytest.mark.parametrize("command", ["replay", "trace", "report"])
+def test_an_empty_log_path_is_a_usage_error_not_the_working_directory(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdfsm replay "$LOGDIR"` with the variable unset: Path("") is the working directory, which
+    would be replayed as if named. Expected: a usage error (exit 2) naming the empty path."""
+    extra = [] if command == "replay" else ["-o", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_:
+        run_cli_captured(capsys, command, "", *extra)
+    assert exit_.value.code == 2
+    assert "an empty path names no log" in capsys.readouterr().err
