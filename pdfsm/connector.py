@@ -20,13 +20,14 @@ accepted is touched.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Annotated, Any, Final, get_args
+from typing import Annotated, Any, Concatenate, Final, ParamSpec, TypeVar, get_args
 
 import msgspec
 import structlog
@@ -255,6 +256,31 @@ def _check_blocks(field: str, blocks: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_caller(method: Callable[Concatenate[Connector, _P], _R]) -> Callable[Concatenate[Connector, _P], _R]:
+    """A public method: one thread at a time, which becomes the core's owner (as in pump()). Its
+    own submissions then go in over a full inbox, never waited for nor dropped as an adapter
+    thread's would be (a Connector built on one thread and stepped on another). A call while
+    another thread is inside one raises OwnerError and changes nothing: ownership cannot move
+    in the middle of a call, where a submission would then be taken for a foreign thread's."""
+
+    @functools.wraps(method)
+    def call(conn: Connector, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not conn._calls.acquire(blocking=False):  # reentrant: a method may call another
+            raise OwnerError(f"Connector called from thread {threading.get_ident()} while another thread is "
+                             "inside a call: one thread at a time (docs/embedding.md)")
+        try:
+            conn.core.log.owner = threading.get_ident()
+            return method(conn, *args, **kwargs)
+        finally:
+            conn._calls.release()
+
+    return call
+
+
 class Connector:
     """One worker's KV connector: the vLLM-shaped API over a core, a transport and a handshaker."""
 
@@ -276,6 +302,7 @@ class Connector:
         self.transport, self.handshaker = transport, handshaker
         self._clock, self._wall_clock = clock, wall_clock
         self._incarnation = transport.rank_info().incarnation  # what the params this side mints carry
+        self._calls = threading.RLock()  # held by the thread inside a public method (_one_caller)
         self.core = Core(config, log, t_ns=clock())
         transport.bind(self.core.submit, clock)
         handshaker.bind(self.core.submit, clock)
@@ -296,21 +323,12 @@ class Connector:
         self._closed = False
 
     def _open(self) -> None:
-        # The calling thread becomes the core's owner, as in pump(): its own submissions (the
-        # scheduler's calls) then go in over a full inbox, never waited for nor dropped as an
-        # adapter thread's would be (a Connector built on another thread than the one stepping it).
-        me = threading.get_ident()
-        core = self.core
-        if core.log.owner != me:
-            if core.pumping not in (None, me):
-                raise OwnerError(f"Connector called from thread {me} while thread {core.pumping} steps it: "
-                                 "one thread at a time (docs/embedding.md)")
-            core.log.owner = me
         if self._closed:
             raise ConnectorClosed("the Connector was shut down: nothing is accepted after shutdown()")
 
     # --- prefill side ---------------------------------------------------------------------------
 
+    @_one_caller
     def request_finished(
         self, request_id: str, block_ids: Sequence[int], *, lease_ns: int | None = None
     ) -> KVTransferParams:
@@ -347,6 +365,7 @@ class Connector:
 
     # --- decode side ----------------------------------------------------------------------------
 
+    @_one_caller
     def load(
         self,
         request_id: str,
@@ -419,12 +438,14 @@ class Connector:
             lease_start_ns=lease_start_ns, incarnation=p.remote_incarnation,
             incarnation_pp=p.remote_incarnation_pp), minting
 
+    @_one_caller
     def abort(self, request_id: str) -> None:
         """The scheduler aborted the request; blocks still being read stay held until the reads stop."""
         self._open()
         rid = _check_id("request_id", request_id)
         self.core.submit(AbortRequested(source=Source.SCHEDULER, t_ns=self._clock(), request_id=rid))
 
+    @_one_caller
     def heartbeat(self, params: KVTransferParams | Mapping[str, Any], extend_ns: int) -> int:
         """Tell the producer a queued request will still be read: extend its lease by ``extend_ns``.
 
@@ -457,6 +478,7 @@ class Connector:
                     self._send_failed(p.remote_engine_id, pp, tp, p.remote_request_id, exc)
         return told
 
+    @_one_caller
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         """Everything one scheduler step asks of this worker, then one round of progress.
 
@@ -560,6 +582,7 @@ class Connector:
 
     # --- every step -----------------------------------------------------------------------------
 
+    @_one_caller
     def step(self, rounds: int = 16) -> None:
         """Apply what is queued, carry out the commands, poll the transport, fire due timers.
 
@@ -582,6 +605,7 @@ class Connector:
             if not core.log.inbox:
                 break
 
+    @_one_caller
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) since the last call: each request once.
 
@@ -616,11 +640,13 @@ class Connector:
                                failed=tuple(failed), aborted=frozenset(aborted), expired=frozenset(expired))
         return sending, recving
 
+    @_one_caller
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of the requests the last :meth:`get_finished` reported failed, and of those
         it reported aborted whose reads did not all complete in time."""
         return set(self.last.invalid_block_ids)
 
+    @_one_caller
     def shutdown(self) -> StepOutput:
         """Stop, and report every consumer request not reported yet, one last time: those still
         handshaking or reading are aborted (their reads cancelled, their blocks invalid unless

@@ -237,11 +237,6 @@ class Core:
             finally:
                 self._pumping = None
 
-    @property
-    def pumping(self) -> int | None:
-        """The thread inside :meth:`pump` now, if any."""
-        return self._pumping
-
     def apply(self, ev: Event) -> int:
         """Apply one event and everything it derives, now; returns the event's sequence number.
 
