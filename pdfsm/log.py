@@ -157,8 +157,8 @@ class EventLog:
         inbox = self.inbox
         if ev.DERIVED:
             raise InvalidInput("event", f"{type(ev).__name__} is derived by the core, never submitted")
-        if len(inbox) >= self.inbox_limit and not self._make_room(ev):
-            return
+        if (len(inbox) >= self.inbox_limit or self._closed) and not self._make_room(ev):
+            return  # counted: a closed log is never pumped again, so nothing is kept silently
         inbox.append(ev)
 
     def _make_room(self, ev: Event) -> bool:

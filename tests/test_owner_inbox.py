@@ -298,3 +298,15 @@ def test_loads_from_another_thread_while_one_steps_are_refused_between_its_pump_
         f"second load of 'dB' accepted; ReadRequested records for dB: "
         f"{[(r.outcome.name, r.reason) for r in reads]}; reported {rig.recv}; blocks still held for dB: {leaked}")
     assert reads == [] and leaked == [] and "dB" not in rig.recv
+
+
+@pytest.mark.parametrize("overflow", [Overflow.COUNT, Overflow.BLOCK], ids=["count", "block"])
+def test_a_submission_after_close_is_counted_even_with_room_in_the_inbox(overflow: Overflow) -> None:
+    """Scenario: a transport thread submits an outcome after the log was closed (the core will
+    never pump again), with the inbox far from its bound. Expected: not queued where nobody will
+    ever apply it, but counted as dropped under its source (nothing kept silently)."""
+    log = EventLog(inbox_limit=64, overflow=overflow)
+    log.close()
+    done = Bounded(lambda: log.submit(Tick(source="late", t_ns=1)))
+    assert done.wait(BOUND) and done.out == [None]
+    assert not log.inbox and log.take_dropped() == {"late": 1}
