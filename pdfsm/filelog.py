@@ -292,15 +292,13 @@ def _unknown_event_types(payload: bytes) -> list[str]:
     return sorted(tags - known)
 
 
-def _same_writer(earlier: list[SegmentHeader], header: SegmentHeader, path: Path) -> None:
+def _same_writer(first: SegmentHeader, header: SegmentHeader, path: Path) -> None:
     """Every segment of one log names the same worker (when its writer said one): a segment of
     another worker's log, copied in under a name that fits the sequence, is refused. (Each
     segment's CRC chain starts at its own header, so nothing else would tell.)"""
-    if not earlier:
-        return
-    first, now = earlier[0].meta.get("worker"), header.meta.get("worker")
-    if first is not None and now is not None and first != now:
-        raise CorruptLogError(f"segment of worker {now!r} in the log of worker {first!r}: logs of two "
+    was, now = first.meta.get("worker"), header.meta.get("worker")
+    if was is not None and now is not None and was != now:
+        raise CorruptLogError(f"segment of worker {now!r} in the log of worker {was!r}: logs of two "
                               "workers mixed", path=path, offset=0)
 
 
@@ -583,14 +581,18 @@ def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: in
     return TornTailError(f"torn tail: {reason}", path=path, offset=offset)
 
 
-def _walk(path: Path, *, last: bool, cap: int, expect: int | None) -> Iterator[SegmentHeader | _Frame]:
-    """The header, then every frame of one segment, checked: CRC, chain, sequence."""
+def _walk(path: Path, *, last: bool, cap: int, expect: int | None,
+          first: SegmentHeader | None = None) -> Iterator[SegmentHeader | _Frame]:
+    """The header, then every frame of one segment, checked: CRC, chain, sequence, and the same
+    writer as the log's ``first`` segment (before the sequence: that names the cause)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         header = _parse_header(fd, size, path)
         if isinstance(header, str):
             raise _damage(fd, path, 0, header, size=size, cap=cap, last=last)
+        if first is not None:
+            _same_writer(first, header, path)
         if expect is not None and header.start_seq != expect:
             raise CorruptLogError(f"segment starts at seq {header.start_seq}, expected {expect}: records missing",
                                   path=path, offset=16)
@@ -715,9 +717,9 @@ class LogReader:
         for i, path in enumerate(paths):
             header_size: int | None = None
             try:
-                for item in _walk(path, last=i == len(paths) - 1, cap=self.cap, expect=self.next_seq):
+                first = self.headers[0] if self.headers else None
+                for item in _walk(path, last=i == len(paths) - 1, cap=self.cap, expect=self.next_seq, first=first):
                     if isinstance(item, SegmentHeader):
-                        _same_writer(self.headers, item, path)
                         self.headers.append(item)
                         header_size, self.next_seq = item.size, item.start_seq
                     else:
