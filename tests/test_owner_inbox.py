@@ -6,12 +6,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from test_scheduler_threads_inbox import _Rig
-from test_thread_boundaries import Bounded
+from test_thread_boundaries import Bounded, no_escaped_thread_exceptions  # noqa: F401 (autouse fixture)
 from transport_helpers import random_kv, zero_kv
 
 from pdfsm.connector import Connector, StepOutput
@@ -29,17 +28,6 @@ pytestmark = pytest.mark.filterwarnings(
 BOUND = 3.0
 
 
-@pytest.fixture(autouse=True)
-def no_escaped_thread_exceptions() -> Iterator[None]:
-    caught: list[threading.ExceptHookArgs] = []
-    previous = threading.excepthook
-    threading.excepthook = caught.append
-    try:
-        yield
-    finally:
-        threading.excepthook = previous
-    assert not caught, [f"{a.thread.name if a.thread else '?'}: {a.exc_type.__name__}: {a.exc_value}"
-                        for a in caught]
 
 
 class _GatedRig(_Rig):
