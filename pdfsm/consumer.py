@@ -164,10 +164,13 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
         return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks"
     stage = 0 if req.incarnation_pp is None and req.remote_pp == 1 else req.incarnation_pp
     if req.incarnation and pp == stage and _foreign(req, r.ranks):
-        return (f"the params were minted by producer incarnation {req.incarnation!r}, none of {req.engine_id} "
-                f"pp_rank {pp}'s ranks now: it restarted under the same engine id, and the blocks they name "
-                "are another process's")
+        return _restarted(req, f"{req.engine_id} pp_rank {pp}'s ranks")
     return None
+
+
+def _restarted(req: ReadRequested, whose: str) -> str:
+    return (f"the params were minted by producer incarnation {req.incarnation!r}, none of {whose} now: it "
+            "restarted under the same engine id, and the blocks they name are another process's")
 
 
 def _foreign(req: ReadRequested, ranks: Iterable[RankInfo]) -> bool:
@@ -196,8 +199,7 @@ def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
     replies = [e.reply for e in engines if e is not None and e.state is CONNECTED and e.reply is not None]
     if len(replies) == len(pps) == req.remote_pp and _foreign(req, (rank for r in replies for rank in r.ranks)):
         for pp in pps:
-            yield pp, (f"the params were minted by producer incarnation {req.incarnation!r}, none of "
-                       f"{req.engine_id}'s ranks now: it restarted under the same engine id")
+            yield pp, _restarted(req, f"{req.engine_id}'s ranks")
 
 
 def disagreement(req: ReadRequested, core: Core) -> str | None:
