@@ -174,6 +174,14 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     expired: frozenset[str] = frozenset()  # producer requests released by their lease
 
 
+def _requested(p: KVTransferParams, request_id: str, t_ns: int, **rest: Any) -> ReadRequested:
+    """The load of ``p`` as the core sees it: what the params say, and ``rest`` (blocks, lease)."""
+    return ReadRequested(source=Source.SCHEDULER, t_ns=t_ns, request_id=request_id,
+                         remote_request_id=p.remote_request_id, engine_id=p.remote_engine_id, host=p.remote_host,
+                         port=p.remote_port, remote_tp=p.remote_tp_size, remote_pp=p.remote_pp_size,
+                         incarnation=p.remote_incarnation, incarnation_pp=p.remote_incarnation_pp, **rest)
+
+
 @contextmanager
 def _naming(batch: str, rid: object) -> Iterator[None]:
     """An entry of a step refused: say which request's (the embedder fails that one and can
@@ -342,7 +350,7 @@ class Connector:
         """
         self._open()
         held = self._blocks_held(request_id, block_ids, lease_ns)
-        self._submit(held)
+        self._submit_hold(held)
         cfg = self.config
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
                                 remote_host=self.host, remote_port=self.port, remote_block_ids=held.block_ids,
@@ -392,7 +400,7 @@ class Connector:
         :meth:`heartbeat` does not move the start: nothing confirms the producer got it.
         """
         self._open()
-        self._submit(*self._read_requested(request_id, local_block_ids, params, lease_start_ns))
+        self._submit_load(*self._read_requested(request_id, local_block_ids, params, lease_start_ns))
 
     def _read_requested(self, request_id: str, local_block_ids: Sequence[int],
                         params: KVTransferParams | Mapping[str, Any],
@@ -431,12 +439,8 @@ class Connector:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
         remote = remote[len(remote) - len(local):] if local else ()
-        return ReadRequested(
-            source=Source.SCHEDULER, t_ns=now, request_id=rid, remote_request_id=p.remote_request_id,
-            engine_id=p.remote_engine_id, host=p.remote_host, port=p.remote_port, remote_tp=p.remote_tp_size,
-            remote_pp=p.remote_pp_size, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
-            lease_start_ns=lease_start_ns, incarnation=p.remote_incarnation,
-            incarnation_pp=p.remote_incarnation_pp), minting
+        return _requested(p, rid, now, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
+                          lease_start_ns=lease_start_ns), minting
 
     @_one_caller
     def abort(self, request_id: str) -> None:
@@ -460,11 +464,7 @@ class Connector:
         _check_id("remote_engine_id", p.remote_engine_id)
         _check_int("extend_ns", extend_ns, low=1, high=MAX_EXTEND_NS)  # the wire's bound: more is refused there
         plan = self._check_layout(p)
-        probe = ReadRequested(source=Source.SCHEDULER, t_ns=0, request_id="heartbeat",
-                              remote_request_id=p.remote_request_id, engine_id=p.remote_engine_id, host=p.remote_host,
-                              port=p.remote_port, remote_tp=p.remote_tp_size, remote_pp=p.remote_pp_size,
-                              incarnation=p.remote_incarnation, incarnation_pp=p.remote_incarnation_pp)
-        if disagreement(probe, self.core) is not None:  # as a load would be refused: nobody is told
+        if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:  # as a load would be refused
             return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
@@ -493,7 +493,7 @@ class Connector:
             if not isinstance(value, kinds):
                 raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
                                          f"got {type(value).__name__}")
-        events: list[tuple[ReadRequested | BlocksHeld, _Minting | None]] = []
+        loads: list[tuple[ReadRequested, _Minting]] = []
         if not set(metadata.lease_ages) <= set(metadata.reqs_to_recv):
             stray = sorted(set(metadata.lease_ages) - set(metadata.reqs_to_recv), key=str)
             raise InvalidInput("lease_ages", f"{stray!r} not in reqs_to_recv")
@@ -507,26 +507,28 @@ class Connector:
             with _naming("reqs_to_recv", rid):
                 if not isinstance(entry, tuple) or len(entry) != 2:
                     raise InvalidInput("entry", f"must be (local_block_ids, params), got {entry!r}")
-                events.append(self._read_requested(rid, entry[0], entry[1], start))
+                loads.append(self._read_requested(rid, entry[0], entry[1], start))
+        holds: list[BlocksHeld] = []
         for rid, blocks in metadata.reqs_to_send.items():
             with _naming("reqs_to_send", rid):
-                events.append((self._blocks_held(rid, blocks, None), None))
+                holds.append(self._blocks_held(rid, blocks, None))
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
         params: dict[_Minting, str] = {}
         writers: dict[int, str] = {}
-        for ev, minting in events:
-            if isinstance(ev, ReadRequested) and minting is not None:
-                first = params.setdefault(minting, ev.request_id)
+        for ev, minting in loads:
+            first = params.setdefault(minting, ev.request_id)
+            if first != ev.request_id:
+                raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads the params {first!r} loads too: "
+                                   "params are single-use", request_id=ev.request_id)
+            for b in ev.local_blocks:
+                first = writers.setdefault(b, ev.request_id)
                 if first != ev.request_id:
-                    raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads the params {first!r} loads too: "
-                                       "params are single-use", request_id=ev.request_id)
-                for b in ev.local_blocks:
-                    first = writers.setdefault(b, ev.request_id)
-                    if first != ev.request_id:
-                        raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
-                                           f"which {first!r} loads into too", request_id=ev.request_id)
-        for ev, minting in events:
-            self._submit(ev, minting)
+                    raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
+                                       f"which {first!r} loads into too", request_id=ev.request_id)
+        for ev, minting in loads:
+            self._submit_load(ev, minting)
+        for held in holds:
+            self._submit_hold(held)
         for rid in aborted:
             self.abort(rid)
         self.step()
@@ -561,23 +563,23 @@ class Connector:
             return None
         return rid
 
-    def _submit(self, ev: ReadRequested | BlocksHeld, minting: _Minting | None = None) -> None:
-        if isinstance(ev, ReadRequested):
-            assert minting is not None
-            self._queued[CONSUMER].add(ev.request_id)
-            self._loaded[minting] = ev.request_id
-            if len(self._loaded) > self.config.tombstones:
-                key, rid = self._loaded.popitem(last=False)
-                if self._live(rid):
-                    self._live_loads[key] = rid
-                    if len(self._live_loads) > 2 * self._live_swept:  # amortized: bounded by the live ones
-                        self._live_loads = {k: r for k, r in self._live_loads.items() if self._live(r)}
-                        self._live_swept = len(self._live_loads)
-            if ev.local_blocks:
-                self._writing.update(dict.fromkeys(ev.local_blocks, ev.request_id))
-                self._writes[ev.request_id] = ev.local_blocks
-        else:
-            self._queued[PRODUCER].add(ev.request_id)
+    def _submit_load(self, ev: ReadRequested, minting: _Minting) -> None:
+        self._queued[CONSUMER].add(ev.request_id)
+        self._loaded[minting] = ev.request_id
+        if len(self._loaded) > self.config.tombstones:
+            key, rid = self._loaded.popitem(last=False)
+            if self._live(rid):
+                self._live_loads[key] = rid
+                if len(self._live_loads) > 2 * self._live_swept:  # amortized: bounded by the live ones
+                    self._live_loads = {k: r for k, r in self._live_loads.items() if self._live(r)}
+                    self._live_swept = len(self._live_loads)
+        if ev.local_blocks:
+            self._writing.update(dict.fromkeys(ev.local_blocks, ev.request_id))
+            self._writes[ev.request_id] = ev.local_blocks
+        self.core.submit(ev)
+
+    def _submit_hold(self, ev: BlocksHeld) -> None:
+        self._queued[PRODUCER].add(ev.request_id)
         self.core.submit(ev)
 
     # --- every step -----------------------------------------------------------------------------

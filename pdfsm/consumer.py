@@ -78,7 +78,7 @@ class ConsumerRequest:
     """A decode-side request. Its parameters are the event that created it (``req``); the
     rest is what changes, and only the owner thread, through the table, changes it."""
 
-    __slots__ = ("deadline", "done", "engines", "error", "outcome", "pending", "plan",
+    __slots__ = ("attempts", "deadline", "done", "engines", "error", "outcome", "pending", "plan",
                  "remote_fault", "req", "request_id", "state", "trust", "waited", "waiting")
 
     def __init__(self, request_id: str) -> None:
@@ -87,6 +87,7 @@ class ConsumerRequest:
         self.req: ReadRequested | None = None
         self.plan: ReadPlan | None = None
         self.engines: tuple[RemoteEngine, ...] = ()  # engines held: ready for it, or read from
+        self.attempts = 0  # the plan's engines' handshake attempts, summed, when its reads were posted
         self.waiting = 0  # bit p: still waiting for remote engine (engine_id, p)
         self.waited = 0  # bit p: did wait for it (news from it may still be on its way)
         self.pending = 0  # bit i: the read from plan.sources[i] has not stopped
@@ -391,9 +392,24 @@ def _post_reads(m: ConsumerRequest, core: Core) -> None:
         e = engines[(eid, plan.pp_ranks[0])]
         e.readers += 1
         m.engines = (e,)
+        m.attempts = e.attempt
     else:
         for pp in plan.pp_ranks:
             _hold(m, engines[(eid, pp)])
+        m.attempts = _attempts(m, core)
+
+
+def _attempts(m: ConsumerRequest, core: Core) -> int:
+    """The plan's engines' handshake attempts, summed (-1: one is forgotten). Attempts only grow,
+    so a sum unchanged since the reads were posted means no engine was handshaken again since."""
+    assert m.req is not None and m.plan is not None
+    total, eid = 0, m.req.engine_id
+    for pp in m.plan.pp_ranks:
+        e = core.engines.get((eid, pp))
+        if e is None:
+            return -1
+        total += e.attempt
+    return total
 
 
 def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -432,7 +448,9 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
 def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only: bool = False) -> None:
     """Tell every producer rank we will not read (again) that it may release: each completed
     read carried its own notification; the rest, and MLA's skipped ranks, get one here (with
-    ``connected_only``, only the ranks of engines that are connected: the others cannot be told).
+    ``connected_only``, only the ranks of engines that are connected: a request stopping before it
+    read, while a PP producer's stage 1 still handshakes, tells stage 0 instead of pinning its
+    blocks a whole lease; the others cannot be told).
     Not once the lease the params gave is over: the producer released by itself, and a notice
     now reads there as a read of reused blocks (vLLM PR 41269's late notices). Not when the
     params contradict a connected engine of the plan either: they may name the wrong ranks, or
@@ -441,7 +459,10 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     assert req is not None and plan is not None
     if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, t_ns):
         return
-    if disagreement(req, core) is not None:
+    # The params were checked against the engines when the reads were posted, or by the guard of
+    # this very transition; only a stop before reading, or an engine handshaken again since the
+    # reads were posted (a restarted producer), needs the check again.
+    if (connected_only or (m.attempts and m.attempts != _attempts(m, core))) and disagreement(req, core) is not None:
         return
     note = Notification(req.remote_request_id, plan.part, plan.of)
     eid = req.engine_id
@@ -449,16 +470,6 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     for pp, tp in unread + list(plan.notify_only):
         if not connected_only or core.engine_connected((eid, pp)):
             core.emit(SendNotification(engine_id=eid, pp_rank=pp, tp_rank=tp, notification=note))
-
-
-def _notify_connected(m: ConsumerRequest, core: Core, t_ns: int) -> None:
-    """A request that stops before reading (its handshakes failed, timed out or were aborted)
-    tells the ranks of each engine of its plan that is connected that they may release: only the
-    ones still handshaking have no connection to notify over (a PP producer's stage 0 connected
-    while stage 1 failed would otherwise pin the blocks for a whole lease). The rules of
-    :func:`_notify_unread` hold."""
-    if m.req is not None and m.plan is not None:
-        _notify_unread(m, core, t_ns, connected_only=True)
 
 
 def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -556,14 +567,15 @@ def _drop(m: ConsumerRequest, ev: ReadRequested, core: Core, error: str, remote_
     core.finished(m, "dropped", ev.t_ns)
 
 
+_LEASE_OVER: Final = "the producer's lease is over: it releases the blocks itself, unnotified"
+
+
 def _drop_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    _drop(m, ev, core, "the producer's lease is over: it releases the blocks itself, unnotified", False)
+    _drop(m, ev, core, _LEASE_OVER, False)
 
 
 def _drop_lease_over_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
-    _fail(m, "the producer's lease is over: it releases the blocks itself, unnotified", False)
-    m.waiting &= ~(1 << ev.pp_rank)
-    _stop_waiting(m, core)
+    _stop_when_ready(m, ev, core, _LEASE_OVER, remote_fault=False)
     core.finished(m, "dropped", ev.t_ns)
 
 
@@ -573,7 +585,7 @@ def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
 
 def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed: {ev.error}", ev.remote_fault)
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.ready(m)
 
@@ -581,14 +593,14 @@ def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
 def _engine_failed_notify_only(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed (ranks not connected are left to "
              f"the producer's lease): {ev.error}", ev.remote_fault)
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _timed_out_waiting(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed while waiting for the remote engine", True)
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.ready(m)
 
@@ -596,13 +608,13 @@ def _timed_out_waiting(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> No
 def _timed_out_notify_only(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed while waiting for the remote engine (ranks not connected are left to the "
              "producer's lease)", True)
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.ready(m)
 
@@ -610,21 +622,21 @@ def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None
 def _abort_notify_only(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
     """Nothing was read and the scheduler is not waiting for it: stop, telling the connected
     engines' ranks; the producer's lease releases the rest."""
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _quarantine_waiting(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.ready(m)
 
 
 def _quarantine_notify_only(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _stop_waiting(m, core)
     core.finished(m, "dropped", ev.t_ns)
 
@@ -669,10 +681,11 @@ def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     _last_stopped(m, ev, core)
 
 
-def _stop_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
+def _stop_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str, *,
+                     remote_fault: bool = True) -> None:
     """The last engine is ready but the request will not read: nothing was posted, so nobody is
     notified (the producer's lease releases its blocks). The ready engine already forgot it."""
-    _fail(m, error, True)
+    _fail(m, error, remote_fault)
     m.waiting &= ~(1 << ev.pp_rank)
     _stop_waiting(m, core)
 
@@ -683,7 +696,7 @@ def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: 
 
 
 def _timed_out_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
-    _notify_connected(m, core, ev.t_ns)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)
     _give_up_when_ready(m, ev, core, "deadline passed while waiting for the remote engine")
 
 

@@ -85,8 +85,8 @@ class EngineSyncError(PdfsmError, RuntimeError):
 
 
 class OwnerError(PdfsmError, RuntimeError):
-    """A call from a thread that does not own the object: a core pumped on two threads at once,
-    or a Connector called from a thread other than the one that built it."""
+    """A call from a second thread while another owns the object: a core pumped on two threads at
+    once, or a Connector called while another thread is inside one of its methods."""
 
 
 class ClockDomainError(PdfsmError):

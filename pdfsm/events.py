@@ -155,7 +155,6 @@ class Tick(Event, frozen=True):
     """Time has reached ``t_ns``: leases and deadlines at or before it expire."""
 
 
-
 class Collect(Event, frozen=True):
     """The scheduler collects finished requests for step ``step`` (vLLM's get_finished)."""
 
@@ -319,7 +318,6 @@ class BlocksHeld(_ProducerEvent, frozen=True):
 class NotificationReceived(_ProducerEvent, frozen=True):
     """Consumer part ``part`` of ``of`` says it has read this request's blocks."""
 
-
     part: int
     of: int
     sender: str = ""
@@ -327,7 +325,6 @@ class NotificationReceived(_ProducerEvent, frozen=True):
 
 class Heartbeat(_ProducerEvent, frozen=True):
     """A consumer still intends to read: extend the lease to ``t_ns + extend_ns``."""
-
 
     extend_ns: int
     sender: str = ""

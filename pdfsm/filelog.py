@@ -107,6 +107,7 @@ __all__ = [
     "recover",
     "segment_name",
     "segment_paths",
+    "segment_start",
     "upcast",
     "write_segment",
 ]
@@ -433,16 +434,18 @@ def writer_holds(path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def segment_start(name: str) -> int | None:
+    """The start seq a segment's file name says (:func:`segment_name`), or None: not a segment's."""
+    stem = name.removesuffix(SEGMENT_SUFFIX)
+    return int(stem) if stem != name and stem.isdigit() else None
+
+
 def segment_paths(path: str | os.PathLike[str]) -> list[Path]:
     """One file, or a directory's segments in sequence order (by the start seq in their names)."""
     p = Path(path)
     if not p.is_dir():
         return [p]
-    segs = []
-    for child in p.iterdir():
-        name = child.name
-        if name.endswith(SEGMENT_SUFFIX) and name[: -len(SEGMENT_SUFFIX)].isdigit():
-            segs.append((int(name[: -len(SEGMENT_SUFFIX)]), child))
+    segs = [(start, child) for child in p.iterdir() if (start := segment_start(child.name)) is not None]
     return [c for _, c in sorted(segs)]
 
 

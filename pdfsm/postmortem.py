@@ -35,13 +35,13 @@ from typing import Any, Final, Protocol
 from pdfsm.events import CoreConfig, Started
 from pdfsm.filelog import (
     LOCK_NAME,
-    SEGMENT_SUFFIX,
     Gap,
     LogError,
     LogReader,
     UnsupportedVersionError,
     read_header,
     segment_paths,
+    segment_start,
     writer_holds,
 )
 from pdfsm.filesink import version as _version
@@ -274,8 +274,7 @@ def worker_logs(log_dir: Path) -> list[Path]:
 
 def _log_file(name: str) -> bool:
     """A segment, a segment moved aside, or the writer's lock."""
-    stem = name.split(".torn.", maxsplit=1)[0]
-    return name == LOCK_NAME or (stem.endswith(SEGMENT_SUFFIX) and stem[: -len(SEGMENT_SUFFIX)].isdigit())
+    return name == LOCK_NAME or segment_start(name.split(".torn.", maxsplit=1)[0]) is not None
 
 
 class _Reader(LogReader):
@@ -306,7 +305,7 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         out.status, out.error = "no_log", f"{path}: does not exist"
         return out
     files = segment_paths(path)
-    if path.is_file() and path.stat().st_size == 0 and not _segment_named(path):
+    if path.is_file() and path.stat().st_size == 0 and segment_start(path.name) is None:
         # An empty file named like no segment (the writer's lock file) cannot be a segment whose
         # creation was cut short: it is not a log, not a torn one.
         out.status, out.error = "no_log", f"{path}: not a log segment (an empty file)"
@@ -736,8 +735,3 @@ def replay_command(args: argparse.Namespace) -> int:
     if code == Exit.USAGE:
         print(f"pdfsm replay: request {args.request!r} is in none of the logs", file=sys.stderr)
     return code
-
-
-def _segment_named(path: Path) -> bool:
-    name = path.name
-    return name.endswith(SEGMENT_SUFFIX) and name[: -len(SEGMENT_SUFFIX)].isdigit()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pdfsm.commands import HandOff
+from pdfsm.commands import HandOff, SendNotification
 from pdfsm.connector import Connector
 from pdfsm.core import Core
 from pdfsm.events import (
@@ -112,6 +112,11 @@ def stop_while_handshaking(core: Core, how: str) -> list[Any]:
     else:
         core.apply(ev(Tick, 2_000))
     return core.take_commands() + collect(core, 3_000)
+
+
+def notes(cmds: list[Any]) -> list[tuple[int, int, str]]:
+    """(pp_rank, tp_rank, request id) of each notification among ``cmds``, in order."""
+    return [(c.pp_rank, c.tp_rank, c.notification.request_id) for c in cmds if isinstance(c, SendNotification)]
 
 
 class SimPair:

@@ -98,7 +98,7 @@ def test_vllm_pr_41269_notify_only_ready_after_the_lease_sends_no_late_notice() 
     """vLLM PR 41269 (a rejection/full-prefix-hit notice sent after prefill's lease ran out is an
     error-level "invalid KV blocks retrieved" alarm, aws-do-eks PR 84) and SGLang PR 32267 (a
     decode scheduler stall). docs/decisions.md: "A notify-only load whose lease is known to be over
-    sends nothing"; ``_notify_connected``: "nor once the lease they gave is over".
+    sends nothing"; ``_notify_unread``: "not once the lease the params gave is over".
 
     A full local prefix hit (notify-only load) waits for the prefill's handshake. The handshake
     thread's reply lands in the inbox, then the decode worker's step loop stalls past the lease
@@ -142,7 +142,7 @@ def test_vllm_pr_41269_request_stopping_after_the_lease_sends_no_late_notice_to_
     When the last read stops the request notifies the ranks it did not read. By then the lease
     the params gave is over: the prefill released by itself, and a notice now reaches P rank 0
     (which nothing read after its lease) as "notification after the lease expired: that read may
-    have seen reused blocks". As for a request that stops before reading (``_notify_connected``),
+    have seen reused blocks". As for a request that stops before reading (``_notify_unread``, connected_only),
     nothing should be sent once the trust bound has passed."""
     rig = Rig(p_tp=2, p_cfg={"lease_ns": 60_000})
     rig.dt[0].cancel_read = lambda request_id, pp_rank, tp_rank: None  # type: ignore[method-assign]

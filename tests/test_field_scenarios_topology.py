@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import SimPair, collect, ev, handshake, make_core, read, reply, stop_while_handshaking
+from helpers import SimPair, collect, ev, handshake, make_core, notes, read, reply, stop_while_handshaking
 
-from pdfsm.commands import HandOff, PostRead, SendNotification
+from pdfsm.commands import HandOff, PostRead
 from pdfsm.events import (
     AbortRequested,
     HandshakeDone,
@@ -24,10 +24,6 @@ from pdfsm.events import (
 from transports.sim import pattern
 
 LEASE = 120_000_000_000
-
-
-def _notes(cmds: list[Any]) -> list[tuple[int, int, str]]:
-    return [(c.pp_rank, c.tp_rank, c.notification.request_id) for c in cmds if isinstance(c, SendNotification)]
 
 
 # --- PP producer: a request that stops while one PP engine is connected --------------------------------
@@ -56,7 +52,7 @@ def test_pp2_producer_request_stopping_while_pp1_handshakes_notifies_the_connect
     cmds = stop_while_handshaking(core, how)
     outcomes = [c.outcome for c in cmds if isinstance(c, HandOff)]
     assert outcomes == [] if notify_only else outcomes in (["failed"], ["aborted"])
-    assert sorted(_notes(cmds)) == [(0, 0, "p-r"), (0, 1, "p-r")], (
+    assert sorted(notes(cmds)) == [(0, 0, "p-r"), (0, 1, "p-r")], (
         "stage 0's ranks were connected and never read: they are left to their lease")
 
 
@@ -132,7 +128,7 @@ def test_a_stopped_request_whose_params_contradict_a_connected_stage_notifies_no
     core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
     cmds = core.take_commands() + collect(core, 3_000)
     assert [c.outcome for c in cmds if isinstance(c, HandOff)] == ["failed"]
-    assert _notes(cmds) == []
+    assert notes(cmds) == []
 
 
 def _pp_replies(core: Any, incarnations: tuple[str, str]) -> None:
@@ -173,4 +169,4 @@ def test_a_request_stopped_after_its_lease_is_over_notifies_nobody() -> None:
     core.apply(ev(AbortRequested, 5_000, request_id="r"))
     cmds = core.take_commands() + collect(core, 6_000)
     assert [c.outcome for c in cmds if isinstance(c, HandOff)] == ["aborted"]
-    assert _notes(cmds) == []
+    assert notes(cmds) == []

@@ -182,6 +182,19 @@ def one_outcome_each(c: Consumer, rids: list[str]) -> dict[str, HandleDone | Han
 # --- the producer killed ------------------------------------------------------------------------------
 
 
+def _connected(producers: list[Producer], consumers: list[Consumer], *, attempt: int) -> tuple[Producer, Consumer]:
+    """A producer process and a consumer transport connected by ``attempt``, one read done."""
+    p = Producer(name("p"))
+    producers.append(p)
+    c = Consumer()
+    consumers.append(c)
+    c.t.add_peer(("P", 0), p.reply(), attempt)
+    c.read("warm")
+    c.pump(lambda: bool(c.outcomes()))
+    assert isinstance(c.outcomes()[0], HandleDone)
+    return p, c
+
+
 def test_killed_between_two_reads_every_later_read_ends_disconnected_once(
         producers: list[Producer], consumers: list[Consumer]) -> None:
     """Producer killed after a completed read, before the next ones (one of them zero-length,
@@ -189,14 +202,7 @@ def test_killed_between_two_reads_every_later_read_ends_disconnected_once(
     ends HandleFailed(DISCONNECTED) exactly once, the engine is reported gone once
     (PeerDisconnected, carrying the connection's attempt), a send then raises, nothing is left
     in flight, and close() is clean."""
-    p = Producer(name("p"))
-    producers.append(p)
-    c = Consumer()
-    consumers.append(c)
-    c.t.add_peer(("P", 0), p.reply(), 7)
-    c.read("warm")
-    c.pump(lambda: bool(c.outcomes()))
-    assert isinstance(c.outcomes()[0], HandleDone)
+    p, c = _connected(producers, consumers, attempt=7)
     p.kill()
     time.sleep(0.1)
     rids = ["a", "b", "z", "c"]
@@ -522,13 +528,7 @@ def test_add_peer_twice_for_one_key_while_its_read_is_in_flight(producers: list[
     (producer stopped). Expected: refused (TransportError, the handshake is retried later),
     the live connection is untouched and its READ completes once the producer resumes; then
     the same add_peer is accepted and reads work."""
-    p = Producer(name("p"))
-    producers.append(p)
-    c = Consumer()
-    consumers.append(c)
-    c.t.add_peer(("P", 0), p.reply(), 1)
-    c.read("w")
-    c.pump(lambda: bool(c.outcomes()))
+    p, c = _connected(producers, consumers, attempt=1)
     sigstop(p)
     try:
         c.read("a", (2, 3), (6, 7))

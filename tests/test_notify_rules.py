@@ -99,7 +99,7 @@ def test_read_stopping_after_its_engine_was_rehandshaken_to_a_restarted_producer
     reply contradicts d1's params. A notice for "p-d1" reaches process Y, which never held it (a
     remote violation there) or, with request ids reused (vLLM PR 45688), releases Y's own hold of
     that id before its reader read it. pdfsm sends ``_notify_unread``'s notices without looking at
-    the engine's current reply (only ``_notify_connected`` checks ``disagreement``)."""
+    the engine's current reply (only the stop-before-reading path checked ``disagreement`` then)."""
     core = _core(timeout=5_000 if how == "deadline" else BIG)
     core.apply(read("d1", remote_tp=2, incarnation="X", lease_ns=LEASE))
     _connect(core, p_tp=2, incarnation="X")

@@ -2,7 +2,7 @@
 that minted them
 (docs/decisions.md "Params name the producer process that minted them"), and a request stopped
 while a PP producer's other stage still handshakes notifies the connected stages' ranks
-(consumer._notify_connected)."""
+(consumer._notify_unread with connected_only)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import collect, ev, make_core, read, reply, run_cli, stop_while_handshaking
+from helpers import collect, ev, make_core, notes, read, reply, run_cli, stop_while_handshaking
 
-from pdfsm.commands import HandOff, PostRead, SendNotification
+from pdfsm.commands import HandOff, PostRead
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.errors import InvalidInput
 from pdfsm.events import (
@@ -33,10 +33,6 @@ from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 LEASE = 120_000_000_000
 
 
-def _notes(cmds: list[Any]) -> list[tuple[int, int, str]]:
-    return [(c.pp_rank, c.tp_rank, c.notification.request_id) for c in cmds if isinstance(c, SendNotification)]
-
-
 def _connect_stage(core: Any, pp: int, incarnation: str, *, t: int = 0) -> None:
     ranks = tuple(RankInfo(pp_rank=pp, tp_rank=tp, agent=f"P-{pp}-{tp}", incarnation=incarnation) for tp in range(2))
     core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=pp, attempt=1,
@@ -44,7 +40,7 @@ def _connect_stage(core: Any, pp: int, incarnation: str, *, t: int = 0) -> None:
     core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=pp, attempt=1))
 
 
-# --- _notify_connected and incarnations ---------------------------------------------------------------
+# --- notifying the connected stages, and incarnations ------------------------------------------------
 
 
 @pytest.mark.parametrize("how", ["handshake-fails", "abort", "deadline", "notify-only-handshake-fails"])
@@ -52,7 +48,7 @@ def test_stale_incarnation_pp_params_stopped_while_stage1_handshakes_notify_nobo
     """PP 2 producer restarted under the same engine id. Stage 0 of the new process is connected
     (its reply names incarnation "new-0"); params minted by the dead process ("old-0", still queued
     at the router) arrive, and the request waits for stage 1, whose handshake then fails (or the
-    request is aborted, or times out). _notify_connected's rule: "Not when the params contradict a
+    request is aborted, or times out). _notify_unread's rule: "Not when the params contradict a
     connected engine: they may name the wrong ranks, or another engine". Params of a dead
     incarnation name another process: the new process's stage 0 would be told to release a request
     id it never held (staged, then discarded as a remote violation). They must notify nobody: the
@@ -65,7 +61,7 @@ def test_stale_incarnation_pp_params_stopped_while_stage1_handshakes_notify_nobo
     assert core.consumers["r"].state.name == "HANDSHAKING"
     core.take_commands()
     cmds = stop_while_handshaking(core, how)
-    assert _notes(cmds) == [], "the new process was told about a request only the dead one held"
+    assert notes(cmds) == [], "the new process was told about a request only the dead one held"
 
 
 def test_fresh_pp_params_stopped_while_stage1_handshakes_notify_stage0_once() -> None:
@@ -77,7 +73,7 @@ def test_fresh_pp_params_stopped_while_stage1_handshakes_notify_stage0_once() ->
     core.take_commands()
     core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=1, attempt=1, error="connection refused"))
     cmds = core.take_commands() + collect(core, 3_000) + collect(core, 4_000, step=2)
-    assert sorted(_notes(cmds)) == [(0, 0, "p-r"), (0, 1, "p-r")]
+    assert sorted(notes(cmds)) == [(0, 0, "p-r"), (0, 1, "p-r")]
     assert [c.outcome for c in cmds if isinstance(c, HandOff)] == ["failed"]
 
 
@@ -89,7 +85,7 @@ def test_pp_params_minted_by_dead_process_fail_when_every_stage_connects_and_not
     _connect_stage(core, 0, "new-0")
     _connect_stage(core, 1, "new-1", t=5)
     cmds = core.take_commands() + collect(core, 100)
-    assert not any(isinstance(c, PostRead) for c in cmds) and _notes(cmds) == []
+    assert not any(isinstance(c, PostRead) for c in cmds) and notes(cmds) == []
     (off,) = [c for c in cmds if isinstance(c, HandOff)]
     assert off.outcome == "failed" and "incarnation" in off.reason
 

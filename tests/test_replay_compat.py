@@ -159,6 +159,18 @@ def test_a_pp2_log_written_before_incarnation_pp_replays_without_divergence(
     assert code == 0 and "replayed, no divergence" in out, out + err
 
 
+def _contradicted_notify_only_ready_late(core: Core) -> None:
+    """A notify-only load whose params say TP 2; the producer's reply says TP 1, and the engine is
+    ready only after the lease's trust bound."""
+    core.apply(ReadRequested(source="scheduler", t_ns=S, request_id="d-1", remote_request_id="p-1", engine_id="P",
+                             remote_tp=2, local_blocks=(), remote_blocks=(), lease_ns=5 * S))
+    reply = HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(RankInfo(pp_rank=0, tp_rank=0,
+                                                                                       agent="P-0"),))
+    core.apply(HandshakeDone(source="handshake", t_ns=6 * S, engine_id="P", pp_rank=0, attempt=1, reply=reply))
+    core.apply(PeerAdded(source="handshake", t_ns=6 * S, engine_id="P", pp_rank=0, attempt=1))
+    core.log.flush()
+
+
 def test_a_log_written_by_the_table_before_drop_lease_over_when_ready_replays(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Scenario: a decode log from pdfsm a8f565f (before HANDSHAKING + EngineReady -> RELEASED via
@@ -175,13 +187,7 @@ def test_a_log_written_by_the_table_before_drop_lease_over_when_ready_replays(
     tables = Tables(consumer=consumer.TABLE.patched("a8f565f", {(consumer.S.HANDSHAKING, EngineReady): older}))
     sink = MemorySink()
     core = _core(sink, tables)
-    core.apply(ReadRequested(source="scheduler", t_ns=S, request_id="d-1", remote_request_id="p-1", engine_id="P",
-                             remote_tp=2, local_blocks=(), remote_blocks=(), lease_ns=5 * S))
-    reply = HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(RankInfo(pp_rank=0, tp_rank=0,
-                                                                                       agent="P-0"),))
-    core.apply(HandshakeDone(source="handshake", t_ns=6 * S, engine_id="P", pp_rank=0, attempt=1, reply=reply))
-    core.apply(PeerAdded(source="handshake", t_ns=6 * S, engine_id="P", pp_rank=0, attempt=1))
-    core.log.flush()
+    _contradicted_notify_only_ready_late(core)
     assert sink.records[-1].fault is not None and "TP 2" in sink.records[-1].reason
     log = tmp_path / "decode-pp0-tp0"
     log.mkdir()
@@ -200,13 +206,7 @@ def test_contradicted_notify_only_params_stay_a_remote_violation_when_the_lease_
     `pdfsm replay` lists 0 violations."""
     sink = MemorySink()
     core = _core(sink)
-    core.apply(ReadRequested(source="scheduler", t_ns=S, request_id="d-1", remote_request_id="p-1", engine_id="P",
-                             remote_tp=2, local_blocks=(), remote_blocks=(), lease_ns=5 * S))
-    reply = HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(RankInfo(pp_rank=0, tp_rank=0,
-                                                                                       agent="P-0"),))
-    core.apply(HandshakeDone(source="handshake", t_ns=6 * S, engine_id="P", pp_rank=0, attempt=1, reply=reply))
-    core.apply(PeerAdded(source="handshake", t_ns=6 * S, engine_id="P", pp_rank=0, attempt=1))
-    core.log.flush()
+    _contradicted_notify_only_ready_late(core)
     last = sink.records[-1]
     assert (last.machine, last.before, last.state) == ("consumer", "HANDSHAKING", "RELEASED")
     assert summarize(sink.records).by_fault()["remote"] == 1, last

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import itertools
 import logging
 import os
@@ -24,6 +26,7 @@ from pdfsm.events import (
     PeerDisconnected,
     RankInfo,
 )
+from pdfsm.sidechannel import SideChannelServer
 from pdfsm.topology import ReadSource
 from pdfsm.wire import Notification
 from transports.base import TransportError
@@ -317,3 +320,43 @@ def test_nixl_refuses_an_inherited_wildcard_ucx_net_devices(devices: str, monkey
     monkeypatch.setenv("UCX_NET_DEVICES", devices)
     with pytest.raises(ValueError, match="UCX_NET_DEVICES"):
         NixlTransport(name("wild-env"), zero_kv(1, 4, 64))
+
+
+def _listening() -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket this process has listening (/proc/net/tcp{,6})."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in mine:  # 0A: LISTEN
+                    continue
+                addr, port = cols[1].split(":")
+                # little-endian 32-bit words, as the kernel prints them
+                raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, width, 8))
+                found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
+
+
+@needs_nixl
+def test_no_listening_socket_binds_every_interface_by_default() -> None:
+    """reliability.md: bind the configured interface (loopback by default), never 0.0.0.0. Two
+    NIXL transports (UCX opens its listeners as each backend starts) and a side-channel server,
+    all with their defaults: every listening socket they opened in this process is on loopback."""
+    before = _listening()
+    transports = [NixlTransport(name("bind"), zero_kv(1, 4, 64)) for _ in range(2)]
+    server = SideChannelServer(lambda pp: HandshakeReply(engine_id="P", compat_hash="", tp_size=1)).start()
+    try:
+        opened = _listening() - before
+        assert opened, "nothing listening: the check would prove nothing"
+        assert all(ipaddress.ip_address(host).is_loopback for host, _ in opened), opened
+    finally:
+        server.close()
+        for t in transports:
+            t.close()
