@@ -664,8 +664,11 @@ class Connector:
             self.abort(rid)
         self.step()
         with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
-            self.handshaker.close()
-            self.transport.close()
+            for part in (self.handshaker, self.transport):
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
+                    _log.exception("close failed", part=type(part).__name__)
         self.get_finished()
         self._closed = True
         self.core.log.close()
@@ -695,7 +698,12 @@ class Connector:
                 elif isinstance(cmd, CancelRead):
                     self.transport.cancel_read(cmd.request_id, cmd.pp_rank, cmd.tp_rank)
                 elif isinstance(cmd, StartHandshake):
-                    self.handshaker.start(cmd)
+                    try:
+                        self.handshaker.start(cmd)
+                    except Exception as exc:  # noqa: BLE001 - a handshake that cannot start has failed
+                        submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=now(), engine_id=cmd.engine_id,
+                                               pp_rank=cmd.pp_rank, attempt=cmd.attempt,
+                                               error=f"handshake could not start: {type(exc).__name__}: {exc}"))
                 elif isinstance(cmd, AddPeer):
                     try:
                         self.transport.add_peer((cmd.engine_id, cmd.pp_rank), cmd.reply, cmd.attempt)
