@@ -228,7 +228,8 @@ def log_path(arg: str) -> str:
 def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
     """(name, path) per log. A directory without segments whose subdirectories hold logs stands
     for those logs (sorted by name). A log is named after its directory (a segment file after the
-    directory it is in); a repeated name gets ``#2``, ``#3``..."""
+    directory it is in); a repeated name gets ``#2``, ``#3``... A path named twice (also through
+    a directory holding it) is read once."""
     found: list[tuple[str, Path]] = []
     for arg in paths:
         p = Path(arg)
@@ -239,6 +240,14 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
         for log in subs or [p]:
             name = log.parent.name if log.is_file() and log.name[:1].isdigit() else log.name
             found.append((name or str(log), log))
+    seen: set[Path] = set()
+    unique_logs = []
+    for name, log in found:  # a log named twice (its directory and it) is read once
+        real = log.resolve()
+        if real not in seen:
+            seen.add(real)
+            unique_logs.append((name, log))
+    found = unique_logs
     out: list[tuple[str, Path]] = []
     taken = {name for name, _ in found}  # every log's own name
     given: set[str] = set()
@@ -318,6 +327,9 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     live = repair and writer_holds(path)
     if live:  # cutting a live writer's tail would lose what it is writing
         repair = False
+    later = _later_segment(path)
+    if later is not None:  # one segment of a longer log: its end is no tail, damage there no tear
+        repair = False
     bar = progress or _NoProgress()
     sizes = {f: f.stat().st_size for f in files}
     before = {f: sum(sizes[g] for g in files[:i]) for i, f in enumerate(files)}
@@ -342,7 +354,12 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     if reader.headers:
         out.meta = {k: v for k, v in reader.headers[0].meta.items()
                     if isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v))}  # strict JSON
-    if reader.torn is not None and out.status == "ok":
+    if reader.torn is not None and out.status == "ok" and later is not None:
+        t = reader.torn
+        out.status, out.error_file, out.error_offset = "corrupt", t.path, t.offset
+        out.error = (f"{t.path} at byte {t.offset}: {t.reason.removeprefix('torn tail: ')}; {later.name} "
+                     f"follows it in {path.parent}, so this is corruption, not a torn tail: replay the directory")
+    elif reader.torn is not None and out.status == "ok":
         t = reader.torn
         out.status = "torn_tail"
         out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason.removeprefix("torn tail: "),
@@ -352,6 +369,14 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
             rep = reader.repairs[-1]
             out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
     return out
+
+
+def _later_segment(path: Path) -> Path | None:
+    """The next segment after ``path`` in its directory when ``path`` is one segment file."""
+    start = segment_start(path.name) if path.is_file() else None
+    if start is None:
+        return None
+    return next((f for f in segment_paths(path.parent) if (segment_start(f.name) or 0) > start), None)
 
 
 def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
@@ -547,7 +572,8 @@ def _follow_text(f: Followed) -> Iterator[str]:
         elif rec.reason and not applied:
             note = f"({printable(rec.reason)})"
         tail = " ".join(x for x in (event_detail(rec.event), note) if x)
-        yield (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {log:{width}s} #{rec.seq:<6d} {who:20s} "
+        yield (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {printable(log):{width}s} #{rec.seq:<6d} "
+               f"{printable(who):20s} "
                f"{type(rec.event).__name__:21s} {arrow:24s} {tail}").rstrip()
 
 

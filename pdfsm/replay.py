@@ -26,7 +26,7 @@ from pdfsm import consumer, engine, producer
 from pdfsm.core import Core
 from pdfsm.errors import PdfsmError, ProtocolError
 from pdfsm.events import ReadRequested, SendFailed, Started
-from pdfsm.log import EventLog, Record, Row
+from pdfsm.log import EventLog, Outcome, Record, Row
 
 __all__ = [
     "TERMINAL",
@@ -354,43 +354,91 @@ def _producer_side(rec: Record) -> bool:
     return rec.machine == "producer" or isinstance(rec.event, SendFailed)
 
 
+# A producer request as a read names it: (engine id, producer's request id); an engine of None
+# (a log whose first record, the Started config, was trimmed away) matches any engine.
+_Hold = tuple["str | None", str]
+
+
+@dataclass
+class _Life:
+    """One life of a decode-local id in one log: from the read that created its machine to the
+    next (ids are reused once forgotten), or a single refused read (the id was in use)."""
+
+    log: str
+    request_id: str
+    holds: set[_Hold] = field(default_factory=set)
+    records: list[Record] = field(default_factory=list)
+
+
+def _same(a: _Hold, b: _Hold) -> bool:
+    return a[1] == b[1] and (a[0] is None or b[0] is None or a[0] == b[0])
+
+
+def _lives(logs: Sequence[tuple[str, Sequence[Record]]]) -> list[_Life]:
+    lives: list[_Life] = []
+    current: dict[tuple[str, str], _Life] = {}
+    for name, records in logs:
+        for rec in records:
+            ev = rec.event
+            rid = getattr(ev, "request_id", None)
+            if not isinstance(rid, str) or _producer_side(rec):
+                continue
+            life = current.get((name, rid))
+            if isinstance(ev, ReadRequested) and rec.machine == "consumer":
+                hold = (ev.engine_id, ev.remote_request_id)
+                if rec.outcome is not Outcome.APPLIED:  # refused or ignored: this read alone
+                    lives.append(_Life(name, rid, {hold}, [rec]))
+                    continue
+                if life is None or rec.before == consumer.S.NEW.name:
+                    life = current[(name, rid)] = _Life(name, rid)
+                    lives.append(life)
+                life.holds.add(hold)
+            elif life is None:  # its read was trimmed away (keep_segments)
+                life = current[(name, rid)] = _Life(name, rid)
+                lives.append(life)
+            life.records.append(rec)
+    return lives
+
+
 def follow(logs: Sequence[tuple[str, Sequence[Record]]], request_id: str) -> Followed:
     """Follow a request through prefill and decode logs, by either of its ids.
 
-    The decode side knows a request by its local id and names the producer's id in
-    ``ReadRequested.remote_request_id``; the prefill side knows only the producer's id.
-    A query that is some decode log's local id resolves to the producer ids it read;
-    otherwise it is taken as a producer id. Every decode request that read one of those
-    producer ids is included (one per decode TP rank, typically). Records are merged by
-    ``t_ns`` (each log's own order is kept; ties go to the log listed first), which is a
-    meaningful order across logs only when their clocks are comparable.
+    The decode side knows a request by its local id and names the producer's engine and id in
+    ``ReadRequested``; the prefill side knows only its own id (its log's ``Started`` config
+    names its engine). A query that is some decode log's local id resolves to every producer
+    request it read (a local id reused once forgotten reads several); otherwise it is taken as
+    a producer id, on any engine. Every decode request that read one of those (one per decode
+    TP rank, typically; a read refused for an id in use included) is followed in the lives of
+    its id that read them, and so are the producer records of those requests in the logs of
+    their engines. Records are merged by ``t_ns`` (each log's own order is kept; ties go to the
+    log listed first), which is a meaningful order across logs only when their clocks are
+    comparable.
     """
-    remote_of: dict[tuple[str, str], str] = {}
-    direct: set[tuple[str, str]] = set()  # where the query is a decode-local id
-    for name, records in logs:
-        for rec in records:
-            if rec.machine == "consumer" and isinstance(rec.event, ReadRequested):
-                remote_of.setdefault((name, rec.event.request_id), rec.event.remote_request_id)
-            if rec.machine == "consumer" and getattr(rec.event, "request_id", None) == request_id:
-                direct.add((name, request_id))  # its ReadRequested may be trimmed away (keep_segments)
-    wanted_p = {remote_of[k] for k in direct if k in remote_of} if direct else {request_id}
-    wanted_c = set(direct) | {k for k, remote in remote_of.items() if remote in wanted_p}
-    out = Followed(request_id, sorted(wanted_p), sorted(wanted_c))
+    lives = _lives(logs)
+    direct = [life for life in lives if life.request_id == request_id]
+    wanted: set[_Hold] = set().union(*(life.holds for life in direct)) if direct else {(None, request_id)}
+    chosen = direct + [life for life in lives if life.request_id != request_id
+                       and any(_same(h, w) for h in life.holds for w in wanted)]
+    out = Followed(request_id, sorted({rid for _, rid in wanted}),
+                   sorted({(life.log, life.request_id) for life in chosen}))
+    taken = {id(rec) for life in chosen for rec in life.records}
     streams: list[list[tuple[str, Record]]] = []
     producers: set[tuple[str, str]] = set()
     for name, records in logs:
+        engine_id = records[0].event.config.engine_id if records and isinstance(records[0].event, Started) else None
         mine: list[tuple[str, Record]] = []
         for rec in records:
-            rid = getattr(rec.event, "request_id", None)
-            if not isinstance(rid, str):
-                continue
-            if _producer_side(rec):
-                if rid in wanted_p:
-                    mine.append((name, rec))
-                    if rec.machine == "producer":
-                        producers.add((name, rid))
-            elif (name, rid) in wanted_c:
+            if id(rec) in taken:
                 mine.append((name, rec))
+                continue
+            rid = getattr(rec.event, "request_id", None)
+            if not isinstance(rid, str) or not _producer_side(rec):
+                continue
+            at = rec.event.engine_id if isinstance(rec.event, SendFailed) else engine_id
+            if any(_same((at, rid), w) for w in wanted):
+                mine.append((name, rec))
+                if rec.machine == "producer":
+                    producers.add((name, rid))
         streams.append(mine)
     out.producers = sorted(producers)
     out.entries = list(heapq.merge(*streams, key=lambda e: e[1].event.t_ns))
