@@ -273,8 +273,10 @@ class SimTransport:
             else:
                 self._emit(HandleFailed(source=Source.TRANSFER, t_ns=now, request_id=rid, pp_rank=pp, tp_rank=tp,
                                         why=failure[0], detail=failure[1]))
-                if failure[0] is HandleFailure.DISCONNECTED:
-                    self._lost((read.cmd.engine_id, pp), failure[1], read.attempt)
+                engine = (read.cmd.engine_id, pp)
+                if failure[0] is HandleFailure.DISCONNECTED and read.attempt == self._attempts.get(engine) \
+                        and engine in self.peers:  # a replaced connection's loss says nothing of the current one
+                    self._lost(engine, failure[1], read.attempt)
         for _ in range(len(self.inbox)):
             item = self.inbox.popleft()
             delay, sender, raw = item
@@ -301,6 +303,7 @@ class SimTransport:
         for rid, pp, tp in list(self.reads):
             self.cancel_read(rid, pp, tp)
         self.progress()
+        self.network.kill(self.agent)  # as a NIXL agent destroyed: peers' reads and sends to it fail
 
 
 class SimHandshaker:

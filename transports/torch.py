@@ -259,10 +259,10 @@ class TorchTransport:
             ranks[info.tp_rank] = _Remote(info.agent, layers, pos, attempt)
         if not ranks:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
-        self.peers[key] = ranks
-        self.layer_map.changed(key[0])
-        with self._reads_lock:
+        with self._reads_lock:  # with _lost's check: a loss of the old connection cannot mask the new one
+            self.peers[key] = ranks
             self._disconnected.discard(key)
+        self.layer_map.changed(key[0])
 
     def drop_peer(self, key: EngineKey) -> None:
         if self.peers.pop(key, None) is not None:
@@ -345,12 +345,16 @@ class TorchTransport:
             self._emit(HandleDone(**common))  # type: ignore[arg-type]
         else:
             self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
-        if why is HandleFailure.DISCONNECTED and self.peers.get(engine, {}).get(src.tp_rank) is read.remote:
-            self._lost(engine, read.remote, detail)  # not for an old connection replaced since
+        if why is HandleFailure.DISCONNECTED:
+            self._lost(engine, read.remote, detail, tp_rank=src.tp_rank)
 
-    def _lost(self, engine: EngineKey, remote: _Remote, detail: str) -> None:
-        """Report ``engine``'s connection ``remote`` gone, once until it is added again (as NIXL does)."""
+    def _lost(self, engine: EngineKey, remote: _Remote, detail: str, *, tp_rank: int | None = None) -> None:
+        """Report ``engine``'s connection ``remote`` gone, once until it is added again (as NIXL
+        does); with ``tp_rank``, only while ``remote`` is still that rank's current connection (a
+        worker's read of a connection replaced since says nothing of the new one)."""
         with self._reads_lock:
+            if tp_rank is not None and self.peers.get(engine, {}).get(tp_rank) is not remote:
+                return
             first = engine not in self._disconnected
             self._disconnected.add(engine)
         if first:
@@ -360,8 +364,19 @@ class TorchTransport:
     def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
         if self.latency_s and read.cancel.wait(self.latency_s):
             return HandleFailure.CANCELLED, "cancelled before the copy started"
-        if self.network.reachable(read.remote.agent) is None:
+        peer = self.network.reachable(read.remote.agent)
+        if peer is None:
             return HandleFailure.DISCONNECTED, f"{read.remote.agent} went away"
+        try:
+            return self._copy_chunks(read)
+        finally:
+            # A copy_ touching GPU memory only enqueues it: a read ends (done, and the producer told
+            # it may free the blocks; or cancelled or lost, and its local blocks reused) only once
+            # every chunk enqueued has landed.
+            for device in self.devices | peer.devices:
+                torch.cuda.synchronize(device)
+
+    def _copy_chunks(self, read: _Read) -> tuple[HandleFailure | None, str]:
         chunk = self.chunk_bytes
         for lk, rk, descs in read.plan:
             dst = self.flat[lk]
@@ -374,11 +389,6 @@ class TorchTransport:
                         return HandleFailure.DISCONNECTED, f"{read.remote.agent} went away"
                     n = min(chunk, length - start)
                     dst[loff + start:loff + start + n].copy_(peer.flat[rk][roff + start:roff + start + n])
-        # A copy_ touching GPU memory only enqueues it: the read is done (and the producer told, so
-        # it may free the blocks) once the bytes are in place, so wait for every device involved.
-        peer = self.network.reachable(read.remote.agent)
-        for device in self.devices | (peer.devices if peer is not None else set()):
-            torch.cuda.synchronize(device)
         return None, ""
 
     # --- notifications --------------------------------------------------------------------------
