@@ -68,7 +68,7 @@ from pdfsm.events import (
 from pdfsm.log import EventLog
 from pdfsm.producer import S as ProducerStates
 from pdfsm.topology import MAX_RANKS, ReadPlan, TopologyError
-from pdfsm.wire import MAX_EXTEND_NS, MAX_ID_CHARS, HeartbeatMessage, Notification
+from pdfsm.wire import MAX_BLOCK_SIZE, MAX_EXTEND_NS, MAX_HASH_CHARS, MAX_ID_CHARS, HeartbeatMessage, Notification
 from transports.base import Clock, Handshaker, Transport
 
 __all__ = ["Connector", "ConnectorMetadata", "KVTransferParams", "StepOutput"]
@@ -217,13 +217,15 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
         raise InvalidInput("config", f"must be a CoreConfig, got {type(cfg).__name__}")
     _check_id("engine_id", cfg.engine_id)
     _check_id("clock", cfg.clock)
-    if not isinstance(cfg.compat_hash, str):
-        raise InvalidInput("compat_hash", f"must be a string, got {cfg.compat_hash!r}")
+    if not isinstance(cfg.compat_hash, str) or len(cfg.compat_hash) > MAX_HASH_CHARS:  # what a handshake carries
+        raise InvalidInput("compat_hash", f"must be a string of at most {MAX_HASH_CHARS} characters, "
+                                          f"got {cfg.compat_hash!r:.80}")
     for name in ("tp_size", "pp_size"):
         _check_int(name, getattr(cfg, name), low=1, high=MAX_RANKS)
     _check_int("tp_rank", cfg.tp_rank, low=0, high=cfg.tp_size - 1)
     _check_int("pp_rank", cfg.pp_rank, low=0, high=cfg.pp_size - 1)
-    for name in ("block_size", "read_timeout_ns", "lease_ns"):
+    _check_int("block_size", cfg.block_size, low=1, high=MAX_BLOCK_SIZE)
+    for name in ("read_timeout_ns", "lease_ns"):
         _check_int(name, getattr(cfg, name), low=1)
     for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "tombstones", "tombstone_ns"):
         _check_int(name, getattr(cfg, name), low=0)

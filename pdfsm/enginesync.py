@@ -25,10 +25,12 @@ replicas), which would merge their ids. ``src`` is a rank *within the group*.
 
 **How.** Two collectives, both on every rank, whatever the arguments:
 
-1. an ``all_reduce(MAX)`` of four int64 values (the highest group rank whose id
+1. an ``all_reduce(MAX)`` of seven int64 values (the highest group rank whose id
    was refused, plus one; the same for ``src`` outside the group; ``src``;
-   ``-src``), so every rank learns whether any rank's id or ``src`` was refused
-   or the ranks disagree on ``src``, and then *all* of them raise
+   ``-src``; the same as the first for a ``device`` that rank cannot use; the
+   ``fingerprint`` and its negation), so every rank learns whether any rank's id,
+   ``src`` or device was refused or the ranks disagree on ``src`` or the
+   fingerprint, and then *all* of them raise
    :class:`~pdfsm.errors.InvalidInput`, none waiting in a collective the others
    skipped;
 2. a ``broadcast`` from ``src`` of a fixed-size ``uint8`` tensor: a big-endian

@@ -39,7 +39,7 @@ from pdfsm.commands import StartHandshake
 from pdfsm.errors import PdfsmError
 from pdfsm.events import HandshakeDone, HandshakeFailed, HandshakeReply, Source
 from pdfsm.topology import MAX_RANKS
-from pdfsm.wire import MAX_ID_CHARS, Codec, WireError
+from pdfsm.wire import MAX_BLOCK_SIZE, MAX_HASH_CHARS, MAX_ID_CHARS, Codec, WireError
 from transports.base import Clock, Submit
 
 __all__ = [
@@ -58,7 +58,6 @@ MAC_BYTES: Final = 32
 MAX_REQUEST_BYTES: Final = 4096  # a request is an id, two small ints and a nonce
 MAX_REPLY_BYTES: Final = 16 << 20  # default cap of a reply body; a receiver may set its own
 MAX_METADATA_BYTES: Final = 1 << 20  # one rank's transport metadata
-MAX_HASH_CHARS: Final = 1024
 MAX_MESSAGE_CHARS: Final = 1024
 MIN_SECRET_BYTES: Final = 16
 _LABELS: Final = {"request": b"pdfsm-sidechannel/1 request\x00", "reply": b"pdfsm-sidechannel/1 reply\x00"}
@@ -145,7 +144,7 @@ def check_reply(reply: HandshakeReply) -> None:
     rows = [("len(engine_id)", len(reply.engine_id), MAX_ID_CHARS),
             ("len(compat_hash)", len(reply.compat_hash), MAX_HASH_CHARS),
             ("tp_size", reply.tp_size, MAX_RANKS), ("pp_size", reply.pp_size, MAX_RANKS),
-            ("block_size", reply.block_size, (1 << 31) - 1), ("num_blocks", reply.num_blocks, 1 << 48),
+            ("block_size", reply.block_size, MAX_BLOCK_SIZE), ("num_blocks", reply.num_blocks, 1 << 48),
             ("len(ranks)", len(reply.ranks), MAX_RANKS)]
     for i, r in enumerate(reply.ranks[:MAX_RANKS]):
         rows += [(f"ranks[{i}].pp_rank", r.pp_rank, MAX_RANKS - 1), (f"ranks[{i}].tp_rank", r.tp_rank, MAX_RANKS - 1),

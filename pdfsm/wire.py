@@ -19,7 +19,9 @@ import msgspec
 from pdfsm.events import BadMessage, Event, Heartbeat, NotificationReceived
 
 __all__ = [
+    "MAX_BLOCK_SIZE",
     "MAX_EXTEND_NS",
+    "MAX_HASH_CHARS",
     "MAX_ID_CHARS",
     "MAX_NOTIFY_BYTES",
     "Codec",
@@ -32,6 +34,8 @@ __all__ = [
 ]
 
 MAX_ID_CHARS: Final = 256
+MAX_HASH_CHARS: Final = 1024  # a handshake reply's compat_hash
+MAX_BLOCK_SIZE: Final = (1 << 31) - 1  # a handshake reply's block_size
 # The longest id any message can carry (4 UTF-8 bytes a character) and the rest of the largest one:
 # every message pdfsm's checks accept fits, so a send never fails on its size.
 MAX_NOTIFY_BYTES: Final = 4 * MAX_ID_CHARS + 64

@@ -161,14 +161,19 @@ def minimize(names: list[str], scenario: Scenario | None, variant: Variant | Non
     return world, message
 
 
-def _choose(world: World, data: st.DataObject) -> None:
-    """The run's length first (it shrinks towards short runs), then each step's choice (which
-    shrinks towards the first enabled one)."""
+def _seed(world: World) -> None:
+    """Make the scenario's prefix steps, each of which must be enabled."""
     for name in world.s.prefix:
         choice = next((c for c in world.enabled() if c.name == name), None)
         if choice is None:  # a misspelt seed would quietly start the search from the root
             raise ValueError(f"prefix step {name!r} is not enabled after {world.chosen}")
         world.choose(choice)
+
+
+def _choose(world: World, data: st.DataObject) -> None:
+    """The prefix, the run's length (it shrinks towards short runs), then each step's choice
+    (which shrinks towards the first enabled one)."""
+    _seed(world)
     steps = data.draw(st.integers(1, world.s.max_steps), label="steps")
     for _ in range(steps):
         choices = world.enabled()
@@ -198,6 +203,7 @@ def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iter
             *, depth: int = 12, ticks: int = 1, collects: int = 2) -> Exhausted:
     """Every interleaving of up to ``depth`` choices, commuting independent ones (sleep sets).
 
+    The search starts after the scenario's ``prefix`` (a step not enabled is a ValueError).
     Timer and collect actions are global (they touch everything) and are bounded to ``ticks``
     and ``collects`` uses per path; every path ends by settling the world and checking the
     end invariants.
@@ -207,6 +213,7 @@ def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iter
 
     def replay(path: list[str]) -> World:
         world = World(scenario, variant, invariants)
+        _seed(world)
         for name in path:
             world.choose(next(c for c in world.enabled() if c.name == name))
         return world
@@ -231,8 +238,8 @@ def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iter
                     invariant(world)
                 return
         except InvariantViolation as exc:
-            if not out.violation:
-                out.violation, out.trace = str(exc), path
+            if not out.violation:  # the trace replays from the root: the prefix, then the path
+                out.violation, out.trace = str(exc), [*scenario.prefix, *path]
             raise
         asleep = {c.name for c in sleep}
         done: list[Choice] = []
