@@ -457,7 +457,9 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     another engine, or a process that has restarted since (its successor never held them)."""
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
-    if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, t_ns):
+    # Judged at the latest time known: a read's end stamped before the trust bound may be applied
+    # after a tick past it, when the producer may have released already.
+    if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, max(t_ns, core.latest_t_ns)):
         return
     # The params were checked against the engines when the reads were posted, or by the guard of
     # this very transition; only a stop before reading, or an engine handshaken again since the

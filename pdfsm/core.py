@@ -188,7 +188,9 @@ class Core:
         self._tombstones = config.tombstones
         self._tombstone_ns = config.tombstone_ns or 2 * max(config.lease_ns, config.read_timeout_ns)
         self._forget_engine_ns = max(self._tombstone_ns, config.handshake_retry_ns)  # never before a retry
-        self._last_t = t_ns
+        # The latest time a core event (a Tick, a Collect) brought: what the core knows the time is
+        # at least, whatever older stamp a late event carries from another thread.
+        self.latest_t_ns = t_ns
         self._logger = logger if logger is not None else _default_logger()
         self.refresh_logging()
         self.log.owner = threading.get_ident()
@@ -228,7 +230,7 @@ class Core:
         try:
             dropped = self.log.take_dropped()
             if dropped:
-                self.apply(Dropped(source=Source.CORE, t_ns=self._last_t, count=sum(dropped.values()),
+                self.apply(Dropped(source=Source.CORE, t_ns=self.latest_t_ns, count=sum(dropped.values()),
                                    by_source=dict(dropped)))
             return self._drain(self.log.inbox, None)
         finally:
@@ -343,7 +345,7 @@ class Core:
         return seq - first - n_derived  # one record per event applied
 
     def _apply_core_event(self, ev: Event, cause: int | None) -> int:
-        self._last_t = ev.t_ns
+        self.latest_t_ns = max(self.latest_t_ns, ev.t_ns)
         reason, fault, outcome = "", None, Outcome.APPLIED
         if isinstance(ev, Tick):
             self._expire(ev.t_ns)
@@ -451,7 +453,7 @@ class Core:
         oldest entry goes, one holding only notifications first: losing those costs the request
         its lease's wait, while a heartbeat's promise lost would release blocks that a consumer
         was told it may still read."""
-        (self._promised if m.extended_to else self._staged)[m.request_id] = None
+        (self._promised if m.extended_to is not None else self._staged)[m.request_id] = None
         self.leases.arm(m.request_id, m.deadline)
         if len(self._staged) + len(self._promised) > self.config.max_staged:
             oldest, _ = (self._staged or self._promised).popitem(last=False)

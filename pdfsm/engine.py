@@ -155,7 +155,9 @@ def _reply_refused(m: RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
 
 
 def _retry_later(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
-    return ev.t_ns < m.retry_at
+    """Within the pause after a failed handshake, at the address that failed (port 0: none given);
+    an address not tried yet (a producer that moved) is handshaken now."""
+    return ev.t_ns < m.retry_at and not m.elsewhere(ev.host, ev.port)
 
 
 def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> bool:

@@ -60,7 +60,9 @@ class ProducerRequest:
         self.of = 0  # parts expected, learnt from the first notification
         self.parts = 0  # bit i: part i has notified
         self.deadline = 0
-        self.extended_to = 0  # a heartbeat that arrived before registration promised the lease this long
+        # A heartbeat that arrived before registration promised the lease this long (None: none did;
+        # 0 and negative are real times).
+        self.extended_to: int | None = None
         self.outcome = ""
         self.t_start = 0
 
@@ -132,7 +134,7 @@ def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     core.leases.disarm(m.request_id, m.deadline)  # the staging time no longer applies
     core.unstage(m)
     _hold(m, ev, core)
-    if m.extended_to > m.deadline:  # an early heartbeat promised longer: keep that promise
+    if m.extended_to is not None and m.extended_to > m.deadline:  # an early heartbeat promised longer
         core.leases.disarm(m.request_id, m.deadline)
         m.deadline = m.extended_to
         core.leases.arm(m.request_id, m.deadline)
@@ -173,7 +175,8 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 
 
 def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
-    m.extended_to = max(m.extended_to, ev.t_ns + ev.extend_ns)
+    promised = ev.t_ns + ev.extend_ns
+    m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     core.promise(m)
     if m.extended_to > m.deadline:
         core.leases.disarm(m.request_id, m.deadline)

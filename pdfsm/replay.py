@@ -236,7 +236,7 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
         out.last_seq = rec.seq
         t = rec.event.t_ns
         if out.events == 1:
-            out.first_t_ns = t
+            out.first_t_ns = out.last_t_ns = t  # 0 and negative are real times: no 0 to start from
         out.last_t_ns = max(out.last_t_ns, t)
         if rec.fault is not None:
             out.violations.append(rec)

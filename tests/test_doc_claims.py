@@ -1,4 +1,4 @@
-"""Review: concrete promises of the docs (docs/embedding.md, docs/side-channel.md,
+"""Concrete promises of the docs (docs/embedding.md, docs/side-channel.md,
 docs/engine-id-sync.md, docs/race-testing.md) and of the docstrings they name, checked against
 the code. Each test quotes the claim it checks; a failing test is a mismatch (code or doc)."""
 

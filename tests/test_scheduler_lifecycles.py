@@ -1,4 +1,4 @@
-"""Review: the scheduler-facing contract (docs/embedding.md) under lifecycles a vLLM-like scheduler
+"""The scheduler-facing contract (docs/embedding.md) under lifecycles a vLLM-like scheduler
 and real transports produce: components that raise, shutdown, lease expiry racing a late reader,
 and a refused step resubmitted without its bad entry.
 

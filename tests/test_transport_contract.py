@@ -1,4 +1,4 @@
-"""Review: the transport contract (docs/transports.md, transports/base.py), the same scenario run
+"""The transport contract (docs/transports.md, transports/base.py), the same scenario run
 over the sim, torch and (where installed) NIXL transports. The core was tested mostly on the sim
 transport, so a scenario where the transports disagree is a bug in one of them: a sim that is kinder
 than production hides core bugs, a production transport that differs from the sim breaks the core.

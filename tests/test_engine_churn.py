@@ -1,0 +1,354 @@
+"""Engine churn through Connectors over the simulated transport and handshaker.
+
+Producers restarting under one engine id, handshakes failing and retried after the pause, many
+engines handshaken and forgotten, deadlines passing while a handshake runs, a PP producer whose
+stage 1 keeps failing. Invariants checked throughout: each consumer request is reported exactly
+once; a failed one lists its blocks invalid in the same step; no read is posted to an engine that
+is not connected (no SETUP failure); nothing that a peer or the network did is blamed on the
+local side (docs/decisions.md, "Production mode quarantines local faults only").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from helpers import reply
+
+from pdfsm.commands import HandOff
+from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.events import (
+    CoreConfig,
+    HandleFailed,
+    HandleFailure,
+    HandshakeDone,
+    HandshakeFailed,
+    HandshakeReply,
+    PeerDisconnected,
+    Source,
+)
+from pdfsm.fsm import Fault
+from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
+
+US = 1_000
+
+
+class World:
+    """One decode Connector D and any number of producer Connectors on one simulated network and
+    one shared clock (1 us per step). Producers are keyed by name; each listens at 127.0.0.1:port
+    under an engine id, and can be restarted (a new agent and incarnation, the same id and port)."""
+
+    def __init__(self, **d_cfg: Any) -> None:
+        self.net, self.now = SimNetwork(), 0
+        self.prods: dict[str, tuple[str, int, SimTransport, Connector]] = {}
+        self.gen = 0
+        self.cons = SimTransport(self.net, "D-0", num_blocks=256)
+        cfg = {"engine_id": "D", "compat_hash": "h", "lease_margin_ns": 100, **d_cfg}
+        self.d = Connector(CoreConfig(**cfg), self.cons, SimHandshaker(self.net), clock=self.clock)
+        self.reports: Counter[str] = Counter()
+        self.offs: dict[str, HandOff] = {}
+        self.step_invalid: dict[str, set[int]] = {}  # per request: the invalid set of the step it was reported in
+        self.loaded: dict[str, tuple[int, ...]] = {}
+
+    def clock(self) -> int:
+        return self.now
+
+    def producer(self, name: str, engine_id: str, port: int, *, serve: bool = True) -> Connector:
+        self.gen += 1
+        t = SimTransport(self.net, f"{name}-a{self.gen}", num_blocks=64)
+        t.fill(range(64))
+        p = Connector(CoreConfig(engine_id=engine_id, compat_hash="h"), t, SimHandshaker(self.net),
+                      clock=self.clock, port=port)
+        if serve:
+            def answer(pp: int, t: SimTransport = t, e: str = engine_id) -> HandshakeReply:
+                return reply(e, ranks=(t.rank_info(),), num_blocks=t.num_blocks)
+
+            self.net.serve("127.0.0.1", port, answer)
+        self.prods[name] = (engine_id, port, t, p)
+        return p
+
+    def restart(self, name: str) -> Connector:
+        engine_id, port, t, _ = self.prods[name]
+        self.net.kill(t.agent)
+        return self.producer(name, engine_id, port)
+
+    def params(self, name: str, prid: str, blocks: list[int]) -> KVTransferParams:
+        return self.prods[name][3].request_finished(prid, blocks)
+
+    def load(self, rid: str, local: list[int], params: KVTransferParams | dict[str, Any]) -> None:
+        self.d.load(rid, local, params)
+        self.loaded[rid] = tuple(local)
+
+    def run(self, steps: int = 4, dt: int = US) -> None:
+        for _ in range(steps):
+            self.now += dt
+            _, got = self.d.get_finished()
+            invalid = set(self.d.last.invalid_block_ids)
+            for rid in got:
+                self.reports[rid] += 1
+                self.step_invalid[rid] = invalid
+            for off in self.d.last.failed:
+                self.offs[off.request_id] = off
+            for _, _, t, p in self.prods.values():
+                if t.agent not in self.net.dead:
+                    p.get_finished()
+
+    def failed(self) -> set[str]:
+        return set(self.offs)
+
+    def received_ok(self, rid: str, name: str, remote: list[int]) -> bool:
+        agent = self.prods[name][2].agent
+        return all(self.cons.block(lb) == pattern(agent, rb, 64)
+                   for lb, rb in zip(self.loaded[rid], remote, strict=True))
+
+    def setup_failures(self) -> list[Any]:
+        return [r for r in self.d.core.log.records()
+                if isinstance(r.event, HandleFailed) and r.event.why is HandleFailure.SETUP]
+
+    def check_invariants(self) -> None:
+        assert all(n == 1 for n in self.reports.values()), f"reported more than once: {self.reports}"
+        for rid, off in self.offs.items():
+            assert set(off.invalid_blocks) == set(self.loaded[rid]), (rid, off)
+            assert set(self.loaded[rid]) <= self.step_invalid[rid], (rid, self.step_invalid[rid])
+            assert off.policy == "recompute"
+        assert not self.setup_failures(), "a read was posted to an engine that was not connected"
+        assert self.d.core.violations[Fault.LOCAL] == 0, [
+            (r.seq, type(r.event).__name__, r.reason) for r in self.d.core.log.records() if r.fault is Fault.LOCAL]
+
+
+# --- 1. a producer restarting repeatedly under one engine id --------------------------------------
+
+
+def test_producer_restarting_five_times_with_requests_in_every_state_keeps_every_invariant() -> None:
+    """Each round: a read hangs in flight, the producer dies and comes back under the same engine id
+    and port (a new incarnation), then params minted by the dead process and fresh params are loaded
+    in one step, plus fresh params loaded while the re-handshake runs. The stale-params request fails
+    (recompute, blocks invalid, decisions.md "Params name the producer process that minted them"),
+    the hung read fails DISCONNECTED (a remote fault), every fresh request reads the new process's
+    bytes; every request is reported once and nothing is blamed on the local side."""
+    w = World(handshake_retry_ns=10 * US)
+    w.producer("P", "P", 9)
+    w.load("warm", [0], w.params("P", "pw", [0]))
+    w.run(4)
+    assert w.reports == Counter({"warm": 1}) and not w.failed()
+    blk = 10
+    for k in range(5):
+        # a read in flight that will never complete on its own
+        w.net.script(f"hang{k}", 0, 0, ReadScript(end="hang"))
+        w.load(f"hang{k}", [blk], w.params("P", f"ph{k}", [1]))
+        stale = w.params("P", f"ps{k}", [2])  # minted by this process, loaded after it died
+        w.run(2)
+        w.restart("P")
+        w.run(2)
+        w.load(f"stale{k}", [blk + 1], stale)
+        w.load(f"fresh{k}", [blk + 2], w.params("P", f"pf{k}", [3]))
+        w.run(1)
+        w.load(f"joined{k}", [blk + 3], w.params("P", f"pj{k}", [4]))
+        w.run(6)
+        assert w.reports[f"hang{k}"] == 1 and f"hang{k}" in w.failed()
+        assert w.reports[f"stale{k}"] == 1 and f"stale{k}" in w.failed()
+        for rid, rb in ((f"fresh{k}", 3), (f"joined{k}", 4)):
+            assert w.reports[rid] == 1 and rid not in w.failed(), (rid, w.offs.get(rid))
+            assert w.received_ok(rid, "P", [rb])
+        blk += 4
+    w.check_invariants()
+
+
+# --- 2. the retry pause and an engine id that moved -------------------------------------------------
+
+
+def test_fresh_params_at_the_producers_new_address_are_not_failed_with_the_old_addresss_cached_error() -> None:
+    """A producer moved: engine id P is now served at port 10; port 9 refuses. Stale params still
+    naming port 9 make a handshake there, which fails; fresh params naming port 10 arrive within
+    the retry pause. decisions.md ("An engine id names one address") says params placing an engine
+    at another host:port are judged against the address it was handshaken at, "so a producer that
+    really moved is handshaken afresh by the next request"; the pause exists so that "a dead producer
+    is not hammered" -- but port 10 was never tried. Expected: the port-10 request handshakes port 10
+    and reads, instead of failing with "connection refused by 127.0.0.1:9" for a whole pause."""
+    w = World(handshake_retry_ns=1_000 * US)
+    w.producer("P", "P", 10)
+    w.net.handshake_faults[("127.0.0.1", 9)] = "refuse"
+    old = w.params("P", "p-old", [1]).to_dict() | {"remote_port": 9}
+    w.load("old", [20], old)
+    w.run(3)
+    assert "old" in w.failed()
+    w.load("new", [21], w.params("P", "p-new", [2]))
+    w.run(4)
+    assert w.reports["new"] == 1
+    assert "new" not in w.failed(), f"failed with another address's cached error: {w.offs['new'].reason}"
+    assert w.received_ok("new", "P", [2])
+    w.check_invariants()
+
+
+def test_request_within_the_pause_fails_fast_and_the_first_after_it_retries() -> None:
+    """decisions.md "A failed handshake is retried only after a pause": within handshake_retry_ns of
+    the failure a request fails at once with the cached error and its policy, its blocks invalid in
+    the same step, and no second handshake is attempted; the first request after the pause retries
+    and, the producer back, reads."""
+    w = World(handshake_retry_ns=50 * US)
+    w.producer("P", "P", 9)
+    w.net.handshake_faults[("127.0.0.1", 9)] = "refuse"
+    w.load("a", [1], w.params("P", "pa", [1]))
+    w.run(3)
+    assert "a" in w.failed()
+    starts = w.d.core.engines[("P", 0)].attempt
+    del w.net.handshake_faults[("127.0.0.1", 9)]  # back, but the pause still runs
+    w.load("b", [2], w.params("P", "pb", [2]))
+    w.run(1)
+    assert w.reports["b"] == 1 and "refused" in w.offs["b"].reason
+    assert w.d.core.engines[("P", 0)].attempt == starts  # nobody hammered it
+    w.now += 60 * US
+    w.load("c", [3], w.params("P", "pc", [3]))
+    w.run(4)
+    assert w.reports["c"] == 1 and "c" not in w.failed() and w.received_ok("c", "P", [3])
+    w.check_invariants()
+
+
+# --- 3. hundreds of engines handshaken and forgotten ---------------------------------------------------
+
+
+def test_hundreds_of_engines_connected_lost_refused_and_forgotten_leave_memory_flat_and_stale_news_ignored() -> None:
+    """300 producers, each under its own engine id: 150 are connected, read from, then die (their
+    reads end DISCONNECTED); 150 refuse the handshake. decisions.md "Failed and disconnected engines
+    are forgotten": after max(tombstone_ns, handshake_retry_ns) idle, none is kept. Late news to
+    the forgotten attempts (a handshake answer, a disconnect) creates no machine and is no local
+    violation ("Handshake attempts are numbered above every forgotten engine's")."""
+    w = World(handshake_retry_ns=20 * US, tombstone_ns=40 * US, read_timeout_ns=10_000 * US)
+    n = 150
+    attempts: dict[str, int] = {}
+    for i in range(n):
+        w.producer(f"ok{i}", f"E{i}", 100 + i)
+        w.net.script(f"r{i}", 0, 0, ReadScript(end="hang"))
+        w.load(f"r{i}", [i], w.params(f"ok{i}", f"p{i}", [1]))
+        w.producer(f"bad{i}", f"F{i}", 1000 + i, serve=False)
+        w.load(f"f{i}", [n + i], w.params(f"bad{i}", f"q{i}", [1]))
+    w.run(4)
+    assert all(w.d.core.engines[(f"E{i}", 0)].state.name == "CONNECTED" for i in range(n))
+    attempts = {f"E{i}": w.d.core.engines[(f"E{i}", 0)].attempt for i in range(n)}
+    attempts |= {f"F{i}": w.d.core.engines[(f"F{i}", 0)].attempt for i in range(n)}
+    for i in range(n):
+        w.net.kill(w.prods[f"ok{i}"][2].agent)
+    w.run(4)
+    assert all(w.reports[f"r{i}"] == 1 and w.reports[f"f{i}"] == 1 for i in range(n))
+    w.run(30, dt=10 * US)  # well past the forgetting time
+    core = w.d.core
+    assert not core.engines, f"{len(core.engines)} engines kept"
+    assert len(core.idle) == 0
+    before = core.log.next_seq
+    for eid, att in attempts.items():
+        core.submit(HandshakeDone(source=Source.HANDSHAKE, t_ns=w.now, engine_id=eid, pp_rank=0, attempt=att,
+                                  reply=reply(eid)))
+        core.submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=w.now, engine_id=eid, pp_rank=0, attempt=att,
+                                    error="late"))
+        core.submit(PeerDisconnected(source=Source.TRANSFER, t_ns=w.now, engine_id=eid, pp_rank=0, detail="late",
+                                     attempt=att))
+    w.run(2)
+    assert core.log.next_seq > before
+    assert not core.engines
+    w.check_invariants()
+    # and a producer that comes back under a forgotten id is handshaken afresh and read from
+    w.producer("ok0", "E0", 100)
+    w.load("again", [250], w.params("ok0", "p-again", [5]))
+    w.run(4)
+    assert w.reports["again"] == 1 and "again" not in w.failed() and w.received_ok("again", "ok0", [5])
+    w.check_invariants()
+
+
+# --- 4. a deadline passing while the handshake runs ----------------------------------------------------
+
+
+def test_deadline_passing_while_handshaking_is_reported_once_and_the_late_handshake_changes_nothing() -> None:
+    """decisions.md "A handshake completing after the read timeout still starts no read": the
+    request is failed at its deadline (reported once, recompute, its blocks invalid that step), the
+    handshake that completes later wakes nobody, no read is posted for it, and the engine then
+    serves the next request."""
+    w = World(read_timeout_ns=5 * US)
+    w.producer("P", "P", 9)
+    w.net.handshake_polls = 12
+    w.load("slow", [7], w.params("P", "ps", [1]))
+    w.run(8)
+    assert w.reports["slow"] == 1 and "slow" in w.failed()
+    w.run(10)
+    assert w.d.core.engines[("P", 0)].state.name == "CONNECTED"
+    assert not w.cons.reads
+    assert not any(getattr(r.event, "request_id", None) == "slow" for r in w.d.core.log.records()
+                   if type(r.event).__name__ in ("EngineReady", "PostRead"))
+    w.net.handshake_polls = 1
+    w.load("next", [8], w.params("P", "pn", [2]))
+    w.run(3)
+    assert w.reports == Counter({"slow": 1, "next": 1}) and w.received_ok("next", "P", [2])
+    w.check_invariants()
+
+
+# --- 5. a PP producer whose stage 1 keeps failing -------------------------------------------------------
+
+
+def _pp_world(**d_cfg: Any) -> tuple[World, list[SimTransport], list[Connector]]:
+    w = World(**d_cfg)
+    ts = [SimTransport(w.net, f"P-pp{pp}", pp_rank=pp, num_blocks=64) for pp in range(2)]
+    ps = [Connector(CoreConfig(engine_id="P", compat_hash="h", pp_rank=pp, pp_size=2), ts[pp],
+                    SimHandshaker(w.net), clock=w.clock, port=9) for pp in range(2)]
+    for t in ts:
+        t.fill(range(64))
+
+    def reply_for(pp: int) -> Any:  # stage 1 answers with another build's compatibility hash
+        return reply("P", pp_rank=pp, pp_size=2, ranks=(ts[pp].rank_info(),), num_blocks=64,
+                     compat_hash="h" if pp == 0 else "other-build")
+
+    w.net.serve("127.0.0.1", 9, reply_for)
+    return w, ts, ps
+
+
+def test_pp_producer_stage1_failing_repeatedly_each_request_reported_once_and_stage0_released_at_once() -> None:
+    """Stage 0 connects; stage 1's reply is refused every time. Over three retry pauses, requests
+    arrive both right after a failure (failed fast) and after the pause (retried): each is reported
+    once, failed with recompute and its blocks invalid, and each tells stage 0 it may release
+    (decisions.md "Failed and aborted consumer requests still notify the producer": a request
+    stopped while another stage handshakes "notifies the ranks of the connected stages"), so stage 0
+    releases every hold now, not at its lease."""
+    w, _ts, ps = _pp_world(handshake_retry_ns=20 * US)
+    released0: Counter[str] = Counter()
+    rids: list[str] = []
+    for k in range(3):
+        for j, delay in enumerate((0, 1)):
+            rid = f"r{k}-{j}"
+            p0 = ps[0].request_finished(f"p{rid}", [k * 2 + j])
+            ps[1].request_finished(f"p{rid}", [k * 2 + j])
+            w.load(rid, [k * 2 + j + 1], p0)
+            rids.append(rid)
+            w.run(2 + delay)
+            released0.update(ps[0].get_finished()[0])
+        w.now += 25 * US  # past the pause: the next request retries stage 1
+    for _ in range(3):
+        w.run(1)
+        released0.update(ps[0].get_finished()[0])
+    assert all(w.reports[r] == 1 for r in rids) and w.failed() == set(rids)
+    # r0-0 stopped while stage 0 was still CONNECTING (both answers came in one poll): a documented
+    # limit, its stage-0 hold is left to the lease. Every later request found stage 0 connected.
+    assert released0 == Counter({f"p{r}": 1 for r in rids[1:]}), released0
+    assert w.d.core.violations[Fault.LOCAL] == 0
+    w.check_invariants()
+
+
+# --- 6. the producer dies between its handshake reply and add_peer ---------------------------------------
+
+
+def test_producer_dying_between_its_reply_and_add_peer_fails_the_waiters_remotely_then_retries() -> None:
+    """The reply is in (HandshakeDone queued) but the agent dies before the transport adds it: the
+    transport refuses the peer, the waiting requests fail with recompute and their blocks invalid, the
+    failure is not the local side's, and after the pause a request reaches the restarted producer."""
+    w = World(handshake_retry_ns=20 * US)
+    w.producer("P", "P", 9)
+    w.load("a", [1], w.params("P", "pa", [1]))
+    w.load("b", [2], w.params("P", "pb", [2]))
+    w.d.step(rounds=1)
+    w.d.step(rounds=1)  # StartHandshake carried out, the handshaker answered: the reply is queued
+    assert w.d.core.log.inbox
+    w.restart("P")  # the old agent is dead before its reply is applied
+    w.run(3)
+    assert w.failed() == {"a", "b"} and all("refused the peer" in w.offs[r].reason for r in "ab")
+    w.now += 25 * US
+    w.load("c", [3], w.params("P", "pc", [3]))
+    w.run(4)
+    assert w.reports["c"] == 1 and "c" not in w.failed() and w.received_ok("c", "P", [3])
+    w.check_invariants()
