@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdfsm.commands import HandOff, SendNotification
@@ -222,3 +224,14 @@ class LeaseWorld:
 
     def read_bytes_ok(self, local: list[int], remote: list[int]) -> bool:
         return all(self.cons.block(lb) == pattern("P-0", rb, LEASE_BLOCK) for lb, rb in zip(local, remote, strict=True))
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``check()`` holds within ``timeout`` seconds (polled): for what another thread
+    updates just after the caller has its answer."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

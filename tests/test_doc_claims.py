@@ -9,11 +9,11 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import structlog
+from helpers import eventually
 
 from pdfsm.connector import Connector
 from pdfsm.errors import InvalidInput
@@ -37,13 +37,6 @@ from transports.sim import SimHandshaker, SimNetwork, SimTransport
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def _reply(pp_rank: int = 0, **kw: object) -> HandshakeReply:
@@ -167,9 +160,9 @@ def test_a_health_check_is_counted_empty_and_not_logged() -> None:
     as `empty` and not logged"."""
     with structlog.testing.capture_logs() as logs, SideChannelServer(_reply) as server:
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
-        assert _eventually(lambda: server.stats()["refused"] == {"empty": 1})
+        assert eventually(lambda: server.stats()["refused"] == {"empty": 1})
         assert fetch_reply("127.0.0.1", server.port, engine_id="D", pp_rank=0) == _reply(0)
-        assert _eventually(lambda: server.stats()["served"] == 1)
+        assert eventually(lambda: server.stats()["served"] == 1)
     assert not [e for e in logs if e["event"] == "side channel refused a request"]
 
 
@@ -181,7 +174,7 @@ def test_a_reset_mid_request_is_counted_as_connection_error() -> None:
         time.sleep(0.1)  # the listener is waiting for the rest
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()  # RST
-        assert _eventually(lambda: server.stats()["refused"] == {"connection-error": 1}), server.stats()
+        assert eventually(lambda: server.stats()["refused"] == {"connection-error": 1}), server.stats()
         assert server.alive
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 import structlog
+from helpers import eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,14 +93,6 @@ class Inbox:
         return self.events.empty()
 
 
-def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Counters are updated by the listener's threads just after the client has its answer."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def handshaker(**kw: object) -> tuple[SideChannelHandshaker, Inbox]:
