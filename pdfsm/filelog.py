@@ -375,6 +375,9 @@ def write_segment(
 # --- reading ---------------------------------------------------------------------------------------
 
 
+_RECORD: Final = msgspec.msgpack.Decoder(Record)  # one record: a frame salvaged record by record
+
+
 class Gap(msgspec.Struct, frozen=True):
     """Records the writer could not queue (``Overflow.COUNT``) or encode (over the frame cap, or
     not encodable): the loss, as written in the log."""
@@ -733,6 +736,7 @@ class LogReader:
                     raise
                 self.torn = e
                 if self.on_torn_tail == "repair":
+                    _refuse_live(e.path)
                     self.repairs.append(_repair(e, header_size))
 
     def batches(self) -> Iterator[list[Record]]:
@@ -761,8 +765,12 @@ class LogReader:
                     raise UnsupportedVersionError(f"event types {unknown} are unknown to this reader: the log was "
                                                   "written by a newer pdfsm, upgrade pdfsm", path=path,
                                                   offset=fr.offset) from e
-                raise CorruptLogError(f"payload does not decode as schema {schema}: {e}",
-                                      path=path, offset=fr.offset) from e
+                salvaged = self._salvage(path, fr) if schema == SCHEMA_VERSION else None
+                if salvaged is None:
+                    raise CorruptLogError(f"payload does not decode as schema {schema}: {e}",
+                                          path=path, offset=fr.offset) from e
+                yield salvaged
+                continue
             # The count is checked first: the frame's own count must not size anything we build.
             if len(recs) != fr.n or list(map(seq_of, recs)) != list(range(fr.base_seq, fr.base_seq + fr.n)):
                 raise CorruptLogError(f"records do not carry seqs {fr.base_seq}..{fr.base_seq + fr.n - 1}",
@@ -772,6 +780,29 @@ class LogReader:
     def __iter__(self) -> Iterator[Record]:
         for batch in self.batches():
             yield from batch
+
+    def _salvage(self, path: Path, fr: _Frame) -> list[Record] | None:
+        """The records of an intact frame (its CRC held) that do not all decode: written so (an
+        event built with a field of the wrong type, which msgpack encodes all the same). Each
+        record that decodes is kept, each that does not becomes a one-record gap; None when the
+        frame is not an array of its ``n`` records in seq order."""
+        try:
+            raws = msgspec.msgpack.decode(fr.payload, type=list[msgspec.Raw])
+        except (msgspec.MsgspecError, RecursionError):
+            return None
+        if len(raws) != fr.n:
+            return None
+        out: list[Record] = []
+        for seq, raw in enumerate(raws, fr.base_seq):
+            try:
+                rec = _RECORD.decode(raw)
+            except (msgspec.MsgspecError, RecursionError) as e:
+                self.gaps.append(Gap(seq, 1, f"written, but does not decode: {e}", str(path), fr.offset))
+                continue
+            if rec.seq != seq:
+                return None
+            out.append(rec)
+        return out
 
     @staticmethod
     def _gap(path: Path, fr: _Frame) -> Gap:
@@ -795,8 +826,18 @@ def read_log(
     return out
 
 
-def recover(path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME) -> Recovery:
+def _refuse_live(path: str | os.PathLike[str]) -> None:
+    """A log a live writer holds has a tail being written, not a torn one: never cut it."""
+    if writer_holds(path):
+        raise LogWriteError("a live writer holds this log: its last frame is being written, not torn; "
+                            "read it with on_torn_tail='stop'", path=Path(path))
+
+
+def recover(path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME,
+            writer_locked: bool = False) -> Recovery:
     """Make a log safe to append to after a crash: repair a torn tail, find the next seq.
+    A log that a live writer holds is refused (:class:`LogWriteError`) unless the caller is
+    that writer (``writer_locked``: it took the lock, as :class:`~pdfsm.filesink.FileSink` does).
 
     Checks the last segment frame by frame (CRC, chain, sequence; payloads are
     not decoded) and the earlier segments' headers. A torn tail is copied to
@@ -805,6 +846,8 @@ def recover(path: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_
     and changes nothing. Stale ``*.tmp`` files of an interrupted rotation are removed.
     """
     root = Path(path)
+    if not writer_locked:
+        _refuse_live(root)
     removed: list[str] = []
     if root.is_dir():
         for tmp in root.glob(f"*{SEGMENT_SUFFIX}.tmp"):

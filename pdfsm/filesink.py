@@ -41,6 +41,7 @@ never has a half-written header. ``close`` writes what is queued, fsyncs
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import secrets
@@ -179,7 +180,8 @@ class FileSink:
         _make_dirs(self.directory)
         self._lock = lock_writer(self.directory)
         try:  # the lock is let go if recovery or the first segment fails
-            self.recovery: Final[Recovery] = recover(self.directory, max_frame_bytes=max_frame_bytes)
+            self.recovery: Final[Recovery] = recover(self.directory, max_frame_bytes=max_frame_bytes,
+                                                     writer_locked=True)
             start = self.recovery.next_seq
             # What a writer that died left may be in the page cache only: made durable before
             # anything of it is counted acked (acked_seq below), or power loss could tear it under
@@ -246,11 +248,12 @@ class FileSink:
                     return
                 self._blocked += 1
                 try:
-                    while self._queued and self._queued + n > self.queue_rows and self._error is None:
+                    while (self._queued and self._queued + n > self.queue_rows and self._error is None
+                           and not self._closing):
                         cond.wait(0.1)
                 finally:
                     self._blocked -= 1
-                if self._error is not None:
+                if self._error is not None or self._closing:  # closed meanwhile: nobody would write it
                     self._raise()
             self._queue.append(batch)
             self._queued += n
@@ -335,10 +338,9 @@ class FileSink:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-            os.close(self._lock)
+            with contextlib.suppress(OSError):  # the error that stopped the writer is the one to report
+                self._close_fd()
+            os.close(self._lock)  # whatever happened: the next writer of this log must get the lock
 
     def _loop(self) -> None:
         cond, queue, mode = self._cond, self._queue, self.fsync.mode
@@ -366,8 +368,7 @@ class FileSink:
                     or (mode == "every" and time.monotonic_ns() - self._last_sync >= interval)):
                 self._sync()
             if closing:
-                os.close(self._fd)
-                self._fd = -1
+                self._close_fd()
                 os.close(self._lock)
                 return
 
@@ -458,13 +459,19 @@ class FileSink:
             if self.on_ack is not None:
                 self.on_ack(self.acked_seq)
 
+    def _close_fd(self) -> None:
+        """Close the segment's descriptor once: it is released even when close(2) reports an error,
+        so it is forgotten first (closing the number again could close another thread's file)."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
     def _rotate(self) -> None:
         if self.fsync.mode != "never":
             self._sync()
         elif self._dirty and self._segments[-1] not in self._unsynced:
             self._unsynced.append(self._segments[-1])  # written since the last sync: the next fsyncs it
-        os.close(self._fd)
-        self._fd = -1
+        self._close_fd()
         self._open_segment(self._next_out)
         keep = self.keep_segments
         if keep is not None and len(self._segments) > keep:

@@ -391,8 +391,8 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
     if log.gaps:  # the core applied records the file never got: replay can check only up to them
         cut = log.gaps[0].first_seq
         records = [r for r in records if r.seq < cut]
-        log.replay_note = (f"replayed up to seq {cut - 1}: records from seq {cut} were lost before reaching "
-                           "the file (a gap); summarized from every record read")
+        log.replay_note = (f"replayed up to seq {cut - 1}: record {cut} is missing from the file (a gap: "
+                           f"{log.gaps[0].reason}); summarized from every record read")
     bar = progress or _NoProgress()
     bar.start(f"replaying {log.name}", len(records))
     at = [0]
@@ -515,7 +515,7 @@ def _details(log: LoadedLog) -> Iterator[str]:
             yield (f"  torn tail: {t['file']} at byte {t['offset']}: {t['reason']}; every record before it "
                    f"replayed; the file was left as it is ({why})")
     for g in log.gaps:
-        yield f"  gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost before reaching the file ({g.reason})"
+        yield f"  gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} missing ({g.reason})"
     if log.replay_note:
         yield f"  note: {log.replay_note}"
     if log.error:

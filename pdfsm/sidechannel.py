@@ -151,7 +151,8 @@ def check_reply(reply: HandshakeReply) -> None:
                  (f"len(ranks[{i}].agent)", len(r.agent), MAX_ID_CHARS),
                  (f"len(ranks[{i}].incarnation)", len(r.incarnation), MAX_ID_CHARS),
                  (f"len(ranks[{i}].metadata)", len(r.metadata), MAX_METADATA_BYTES)]
-    problems = [f"{name} = {value}, outside 0..{top}" for name, value, top in rows if not 0 <= value <= top]
+    problems = [f"{name} = {value!r}, outside 0..{top}" for name, value, top in rows
+                if type(value) is not int or not 0 <= value <= top]
     if problems:
         raise WireError("handshake reply out of bounds: " + "; ".join(problems[:4]))
 
@@ -530,7 +531,8 @@ class SideChannelServer:
             self.refused[code] += 1
         log = _log.error if code == ErrorCode.INTERNAL else _log.warning
         log("side channel refused a request", peer=peer, code=code, error=message, exc_info=cause)
-        body = response_codec.encode(ErrorReply(code=code, message=message[:MAX_MESSAGE_CHARS],
+        text = message[:MAX_MESSAGE_CHARS].encode("utf-8", "backslashreplace").decode()  # encodable whatever it held
+        body = response_codec.encode(ErrorReply(code=code, message=text,
                                                 nonce=request.nonce if request else None,
                                                 pp_rank=request.pp_rank if request else None))
         try:
@@ -660,6 +662,10 @@ class SideChannelHandshaker:
                  timeout: float = 5.0, max_workers: int = 4, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
         if not 1 <= len(local_engine_id) <= MAX_ID_CHARS:
             raise ValueError(f"local_engine_id must have 1..{MAX_ID_CHARS} characters")
+        try:
+            local_engine_id.encode()
+        except UnicodeEncodeError as exc:  # non-UTF-8 bytes from argv: no request could carry it
+            raise ValueError(f"local_engine_id is not valid UTF-8 text: {exc}") from None
         _check_timeouts(connect_timeout=connect_timeout, timeout=timeout)
         self.local_engine_id = local_engine_id
         self.secret = _check_secret(secret)

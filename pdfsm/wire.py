@@ -81,7 +81,11 @@ class Codec(Generic[T]):
         self._decoder = msgspec.msgpack.Decoder(kind)
 
     def encode(self, message: T) -> bytes:
-        raw = self._encoder.encode(message)
+        try:
+            raw = self._encoder.encode(message)
+        except (msgspec.EncodeError, UnicodeEncodeError, TypeError, OverflowError) as exc:
+            # A lone surrogate in a string (non-UTF-8 argv bytes), a field of the wrong type.
+            raise WireError(f"{self.name}: cannot encode: {exc}") from None
         if len(raw) > self.cap:
             raise WireError(f"{self.name}: message of {len(raw)} bytes exceeds the cap of {self.cap}")
         return raw

@@ -159,7 +159,7 @@ def test_a_gap_is_replayed_up_to_and_reported(demo: Path, tmp_path: Path,
     log = _with_gap(records, tmp_path / "prefill-tp0", 6, 2)
     code, out, _ = _run(capsys, "replay", str(log), "--timelines", "0")
     assert code == 0, out
-    assert "gap: seqs 6..7 lost before reaching the file (queue full)" in out
+    assert "gap: seqs 6..7 missing (queue full)" in out
     assert "note: replayed up to seq 5" in out
     code, out, _ = _run(capsys, "replay", str(log), "--json")
     (doc,) = json.loads(out)["logs"]
