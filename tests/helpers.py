@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pdfsm.commands import HandOff, SendNotification
@@ -235,3 +237,16 @@ def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def replay_json_schema() -> dict[str, dict[str, str]]:
+    """{object: {field: documented type}} from the tables of docs/replay-json.md."""
+    out: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in (Path(__file__).resolve().parents[1] / "docs" / "replay-json.md").read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        m = re.match(r"\| `(\w+)` \| ([^|]+) \|", line)
+        if m and section:
+            out.setdefault(section, {})[m[1]] = m[2].strip()
+    return out

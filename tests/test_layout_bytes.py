@@ -209,30 +209,37 @@ class World:
 
     def run(self, local: tuple[int, ...] | None = None) -> None:
         c = self.c
-        got = {k: conn.request_finished(PRID, list(c.remote)) for k, conn in self.p.items()}
-        params = KVTransferParams.parse(got[(0, 0)].to_dict())
-        meta = ConnectorMetadata(reqs_to_recv={RID: (c.local if local is None else local, params)},
-                                 lease_ages={RID: 0})
-        first = True
-        deadline = time.monotonic() + 15
+        self.transfer([(RID, PRID, tuple(c.remote), c.local if local is None else local)])
+        for _ in range(2):  # nothing more comes
+            self.steps()
+
+    def transfer(self, reqs: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Hold each (decode id, prefill id, remote table, local table) on every prefill rank, load
+        them all on every decode rank in one scheduler step, and step until every rank reported
+        every one."""
+        recv = {}
+        for did, pid, remote, local in reqs:
+            got = {k: conn.request_finished(pid, list(remote)) for k, conn in self.p.items()}
+            recv[did] = (local, KVTransferParams.parse(got[(0, 0)].to_dict()))
+        meta = ConnectorMetadata(reqs_to_recv=recv, lease_ages=dict.fromkeys(recv, 0))
+        pids = [pid for _, pid, _, _ in reqs]
+        first, deadline = True, time.monotonic() + 15
         while True:
-            for k in self.d:
-                self.step("D", k, meta if first else None)
+            self.steps(meta if first else None)
             first = False
-            for k in self.p:
-                self.step("P", k)
-            self.now += STEP_NS
-            if (all(self.count("D", k, "finished_recving", RID) for k in self.d)
-                    and all(self.count("P", k, "finished_sending", PRID) for k in self.p)):
-                break
+            if (all(self.count("D", k, "finished_recving", did) for k in self.d for did in recv)
+                    and all(self.count("P", k, "finished_sending", pid) for k in self.p for pid in pids)):
+                return
             assert time.monotonic() < deadline, self.status()
             time.sleep(PAUSE)
-        for _ in range(2):  # nothing more comes
-            for k in self.d:
-                self.step("D", k)
-            for k in self.p:
-                self.step("P", k)
-            self.now += STEP_NS
+
+    def steps(self, meta: ConnectorMetadata | None = None) -> None:
+        """One scheduler step on every decode rank (``meta`` to each), then on every prefill rank."""
+        for k in self.d:
+            self.step("D", k, meta)
+        for k in self.p:
+            self.step("P", k)
+        self.now += STEP_NS
 
     def status(self) -> str:
         lines = []
@@ -403,31 +410,9 @@ def run_requests(w: World, reqs: list[tuple[str, str, tuple[int, ...], tuple[int
     is held on every prefill rank, then loaded on every decode rank in one scheduler step, and
     driven until every rank reported every request of the batch once."""
     for batch in batches:
-        recv = {}
-        for i in batch:
-            did, pid, remote, local = reqs[i]
-            got = {k: conn.request_finished(pid, list(remote)) for k, conn in w.p.items()}
-            recv[did] = (local, KVTransferParams.parse(got[(0, 0)].to_dict()))
-        meta = ConnectorMetadata(reqs_to_recv=recv, lease_ages=dict.fromkeys(recv, 0))
-        first, deadline = True, time.monotonic() + 15
-        pids = [reqs[i][1] for i in batch]
-        while True:
-            for k in w.d:
-                w.step("D", k, meta if first else None)
-            first = False
-            for k in w.p:
-                w.step("P", k)
-            w.now += STEP_NS
-            if (all(w.count("D", k, "finished_recving", did) for k in w.d for did in recv)
-                    and all(w.count("P", k, "finished_sending", pid) for k in w.p for pid in pids)):
-                break
-            assert time.monotonic() < deadline, w.status()
-            time.sleep(PAUSE)
+        w.transfer([reqs[i] for i in batch])
     for _ in range(2):
-        for k in w.d:
-            w.step("D", k)
-        for k in w.p:
-            w.step("P", k)
+        w.steps()
     for did, pid, _, _ in reqs:
         for k in w.d:
             assert w.count("D", k, "finished_recving", did) == 1, (k, did)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import collect, ev, handshake, make_core, read, run_cli_captured
+from helpers import collect, ev, handshake, make_core, read, replay_json_schema, run_cli_captured
 
 from pdfsm.events import BlocksHeld, HandleDone, HandleFailed, HandleFailure, NotificationReceived, Tick
 from pdfsm.filelog import segment_name, segment_paths, write_segment
@@ -297,19 +297,6 @@ def test_request_timeline_lines_escape_control_characters_in_request_ids() -> No
 # --- cheap checks of things not covered elsewhere (these pass) -------------------------------------------
 
 
-def _documented_types() -> dict[str, dict[str, str]]:
-    """Per object of docs/replay-json.md, field -> documented type."""
-    fields: dict[str, dict[str, str]] = {}
-    section = ""
-    for line in (ROOT / "docs" / "replay-json.md").read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip()
-        m = re.match(r"\| `(\w+)` \| ([^|]+) \|", line)
-        if m and section:
-            fields.setdefault(section, {})[m.group(1)] = m.group(2).strip()
-    return fields
-
-
 def _conforms(value: Any, typ: str, where: str, docs: dict[str, dict[str, str]], errs: list[str]) -> None:
     typ = typ.strip().replace(" (with `log`)", "")
     if typ.endswith(" or null"):
@@ -388,7 +375,7 @@ def test_json_values_have_the_documented_types_for_every_status(tmp_path: Path,
     empty = tmp_path / "empty" / "decode-tp9"
     empty.mkdir(parents=True)
     write_segment(empty / segment_name(0), [], salt=bytes(8), meta={"worker": "decode-tp9"}, wall_ns=0, mono_ns=0)
-    docs = _documented_types()
+    docs = replay_json_schema()
     argv = ["replay", str(logs), str(torn), str(corrupt), str(empty), str(tmp_path / "missing"), "--json",
             "--request", "d-1", "--at", "decode-tp0:4", "--timelines", "5"]
     code, out, _ = _run(capsys, *argv)

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import collect, ev, handshake, make_core, read, run_cli
+from helpers import collect, ev, handshake, make_core, read, replay_json_schema, run_cli
 from hypothesis import settings
 
 from pdfsm import consumer as C
@@ -305,19 +305,6 @@ def test_of_several_at_the_last_one_counts(sim: dict[str, Path], capsys: pytest.
         "decode-tp0": 7, "prefill-tp0": 5, "prefill-tp1": 5}
 
 
-def _schema() -> dict[str, dict[str, str]]:
-    """{object: {field: type}} from the tables of docs/replay-json.md."""
-    out: dict[str, dict[str, str]] = {}
-    section = ""
-    for line in (ROOT / "docs" / "replay-json.md").read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip()
-        m = re.match(r"\| `(\w+)` \| ([^|]+) \|", line)
-        if m and section:
-            out.setdefault(section, {})[m[1]] = m[2].strip()
-    return out
-
-
 ENUMS: dict[str, set[str | None]] = {"status": {"ok", "torn_tail", "divergence", "corrupt", "unsupported", "no_log"},
          "outcome": {"applied", "ignored", "rejected"}, "fault": {"local", "remote", None}}
 
@@ -365,7 +352,7 @@ def test_json_fields_have_the_documented_types_in_every_status(sim: dict[str, Pa
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Every object has exactly its documented fields with the documented types (docs/replay-json.md),
     for each status, with --request, --at, --repair; exit codes agree with the process's."""
-    schema = _schema()
+    schema = replay_json_schema()
     cases: list[tuple[int, list[str]]] = [
         (0, [str(sim["drop-notification"]), "--request", "d-req-3", "--at", "4", "--timelines", "20"]),
         (0, [str(sim["duplicate-notification"]), "--request", "req-3", "--at", "prefill-tp0:7"]),
