@@ -250,3 +250,35 @@ def replay_json_schema() -> dict[str, dict[str, str]]:
         if m and section:
             out.setdefault(section, {})[m[1]] = m[2].strip()
     return out
+
+
+class RankedEngines:
+    """Every producer (pp, tp) worker of engine "P" and every consumer worker of engine "D" as a
+    Connector on one SimNetwork (the producer's handshake served at 127.0.0.1:9); ``now`` is
+    every worker's clock, monotonic and wall. Block sizes are split by TP (whole under MLA)."""
+
+    def __init__(self, p_tp: int, d_tp: int, *, mla: bool = False, p_pp: int = 1, d_pp: int = 1,
+                 block_bytes: int = 240 * 8 * 7, p_config: dict[str, Any] | None = None,
+                 d_config: dict[str, Any] | None = None) -> None:
+        self.net, self.now = SimNetwork(), 0
+        self.pt = {(p, t): SimTransport(self.net, f"P{p}.{t}", pp_rank=p, tp_rank=t,
+                                        block_bytes=block_bytes // (1 if mla else p_tp))
+                   for p in range(p_pp) for t in range(p_tp)}
+        for x in self.pt.values():
+            x.fill(range(64))
+        self.p = {k: Connector(CoreConfig(engine_id="P", tp_rank=k[1], tp_size=p_tp, pp_rank=k[0], pp_size=p_pp,
+                                          mla=mla, compat_hash="h", **(p_config or {})),
+                               self.pt[k], SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock, port=9)
+                  for k in self.pt}
+        self.net.serve("127.0.0.1", 9, lambda p: reply(
+            "P", tp_size=p_tp, pp_size=p_pp, mla=mla, ranks=tuple(self.pt[(p, t)].rank_info() for t in range(p_tp))))
+        self.dt = {(p, t): SimTransport(self.net, f"D{p}.{t}", pp_rank=p, tp_rank=t,
+                                        block_bytes=block_bytes // (1 if mla else d_tp))
+                   for p in range(d_pp) for t in range(d_tp)}
+        self.d = {k: Connector(CoreConfig(engine_id="D", tp_rank=k[1], tp_size=d_tp, pp_rank=k[0], pp_size=d_pp,
+                                          mla=mla, compat_hash="h", **{"lease_margin_ns": 100, **(d_config or {})}),
+                               self.dt[k], SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock)
+                  for k in self.dt}
+
+    def clock(self) -> int:
+        return self.now

@@ -15,14 +15,12 @@ from collections.abc import Iterator
 from typing import Literal
 
 import pytest
-from helpers import ev, make_core, reply
+from helpers import RankedEngines, ev, make_core
 
 from pdfsm.commands import FinishedSending
-from pdfsm.connector import Connector
 from pdfsm.events import (
     PRODUCER,
     BlocksHeld,
-    CoreConfig,
     Event,
     Heartbeat,
     NotificationReceived,
@@ -32,7 +30,7 @@ from pdfsm.events import (
 from pdfsm.fsm import Fault
 from pdfsm.producer import S
 from pdfsm.topology import Layout, TopologyError, read_plan, tp_ratio
-from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
+from transports.sim import ReadScript
 
 LEASE = 1000
 
@@ -171,32 +169,11 @@ def test_producer_interleavings_release_once_never_early_and_keep_heartbeat_prom
 # --- kept: two engines of Connectors over the simulated network ---------------------------------------
 
 
-class _Engines:
-    """Every producer (pp, tp) worker and every consumer worker as a Connector on one SimNetwork."""
+class _Engines(RankedEngines):
+    """Two engines of Connectors, with what each producer rank released and when."""
 
     def __init__(self, p_tp: int, d_tp: int, *, mla: bool = False, p_pp: int = 1, d_pp: int = 1) -> None:
-        self.net, self.now = SimNetwork(), 0
-
-        def clock() -> int:
-            return self.now
-
-        bb = 240 * 8 * 7  # divisible by every TP size 1..8
-        self.pt = {(p, t): SimTransport(self.net, f"P{p}.{t}", pp_rank=p, tp_rank=t,
-                                        block_bytes=bb // (1 if mla else p_tp))
-                   for p in range(p_pp) for t in range(p_tp)}
-        for x in self.pt.values():
-            x.fill(range(64))
-        self.p = {k: Connector(CoreConfig(engine_id="P", tp_rank=k[1], tp_size=p_tp, pp_rank=k[0], pp_size=p_pp,
-                                          mla=mla, compat_hash="h", lease_ns=10**12),
-                               self.pt[k], SimHandshaker(self.net), clock=clock, port=9) for k in self.pt}
-        self.net.serve("127.0.0.1", 9, lambda p: reply(
-            "P", tp_size=p_tp, pp_size=p_pp, mla=mla, ranks=tuple(self.pt[(p, t)].rank_info() for t in range(p_tp))))
-        self.dt = {(p, t): SimTransport(self.net, f"D{p}.{t}", pp_rank=p, tp_rank=t,
-                                        block_bytes=bb // (1 if mla else d_tp))
-                   for p in range(d_pp) for t in range(d_tp)}
-        self.d = {k: Connector(CoreConfig(engine_id="D", tp_rank=k[1], tp_size=d_tp, pp_rank=k[0], pp_size=d_pp,
-                                          mla=mla, compat_hash="h", lease_margin_ns=100),
-                               self.dt[k], SimHandshaker(self.net), clock=clock) for k in self.dt}
+        super().__init__(p_tp, d_tp, mla=mla, p_pp=p_pp, d_pp=d_pp, p_config={"lease_ns": 10**12})
         self.sent: dict[tuple[int, int], list[str]] = defaultdict(list)
         self.expired: set[tuple[int, int]] = set()
         self.early: list[object] = []

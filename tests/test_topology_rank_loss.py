@@ -3,53 +3,28 @@ over the simulated network (deterministic: every step is a call, the clock a cou
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from helpers import reply
+from helpers import RankedEngines
 
-from pdfsm.connector import Connector, KVTransferParams
-from pdfsm.events import CoreConfig, SendFailed
+from pdfsm.connector import KVTransferParams
+from pdfsm.events import SendFailed
 from pdfsm.topology import Layout, read_plan
-from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
+from transports.sim import ReadScript
 
 LEASE = 100_000_000_000  # 100 s: anything released by its lease in these tests waited 100 s
 
 
-class World:
-    """Every producer (pp, tp) worker and every consumer worker as a Connector on one SimNetwork."""
+class World(RankedEngines):
+    """Every producer and consumer worker as a Connector, with what each reported."""
 
-    def __init__(self, p_tp: int, d_tp: int, *, mla: bool = False, p_pp: int = 1, d_pp: int = 1,
-                 d_config: dict[str, Any] | None = None) -> None:
-        self.net, self.now = SimNetwork(), 0
+    def __init__(self, p_tp: int, d_tp: int, *, mla: bool = False, p_pp: int = 1, d_pp: int = 1) -> None:
+        super().__init__(p_tp, d_tp, mla=mla, p_pp=p_pp, d_pp=d_pp, block_bytes=64 * 8,
+                         p_config={"lease_ns": LEASE, "strict": False}, d_config={"strict": False})
         self.p_tp, self.d_tp, self.mla, self.p_pp, self.d_pp = p_tp, d_tp, mla, p_pp, d_pp
-        bb = 64 * 8
-        self.pt = {(p, t): SimTransport(self.net, f"P{p}.{t}", pp_rank=p, tp_rank=t,
-                                        block_bytes=bb // (1 if mla else p_tp))
-                   for p in range(p_pp) for t in range(p_tp)}
-        for x in self.pt.values():
-            x.fill(range(64))
-        self.p = {k: Connector(CoreConfig(engine_id="P", tp_rank=k[1], tp_size=p_tp, pp_rank=k[0], pp_size=p_pp,
-                                          mla=mla, compat_hash="h", lease_ns=LEASE, strict=False),
-                               self.pt[k], SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock, port=9)
-                  for k in self.pt}
-        self.net.serve("127.0.0.1", 9, lambda p: reply(
-            "P", tp_size=p_tp, pp_size=p_pp, mla=mla, ranks=tuple(self.pt[(p, t)].rank_info() for t in range(p_tp))))
-        self.dt = {(p, t): SimTransport(self.net, f"D{p}.{t}", pp_rank=p, tp_rank=t,
-                                        block_bytes=bb // (1 if mla else d_tp))
-                   for p in range(d_pp) for t in range(d_tp)}
-        self.d = {k: Connector(CoreConfig(engine_id="D", tp_rank=k[1], tp_size=d_tp, pp_rank=k[0], pp_size=d_pp,
-                                          mla=mla, compat_hash="h", lease_margin_ns=100, strict=False,
-                                          **(d_config or {})),
-                               self.dt[k], SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock)
-                  for k in self.dt}
         self.released: dict[tuple[int, int], list[tuple[str, bool]]] = {k: [] for k in self.p}
         self.recv: dict[tuple[int, int], list[str]] = {k: [] for k in self.d}
         self.failed: dict[tuple[int, int], dict[str, set[int]]] = {k: {} for k in self.d}
         self.invalid: dict[tuple[int, int], list[set[int]]] = {k: [] for k in self.d}
-
-    def clock(self) -> int:
-        return self.now
 
     def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
         """Every producer rank holds the request's blocks; rank (0, 0)'s params go to the router."""
