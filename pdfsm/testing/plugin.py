@@ -15,6 +15,7 @@ counterexample is written under the test's ``tmp_path`` in the production format
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,9 @@ class Race:
 
         found = hunt(scenario, variant, invariants, max_examples=max_examples or self.examples)
         if found.found and found.world is not None:
-            found.world.dump(self.directory / "counterexample")
+            logs = self.directory / "counterexample"
+            shutil.rmtree(logs, ignore_errors=True)  # an earlier hunt's logs would replay as this one's
+            found.world.dump(logs)
         return found
 
     def check(self, scenario: Scenario | None = None, variant: Variant | None = None,

@@ -125,6 +125,11 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     prefix: tuple[str, ...] = ()  # choices made first, by name, to start exploring from a deep point
     max_steps: int = 40
 
+    def __post_init__(self) -> None:
+        unknown = self.faults - FAULTS - EXTRA_FAULTS
+        if unknown:  # a misspelt fault would quietly be searched without
+            raise ValueError(f"unknown faults {sorted(unknown)}: known are {sorted(FAULTS | EXTRA_FAULTS)}")
+
 
 @dataclass(frozen=True)
 class Variant:
