@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,8 +128,28 @@ def _expected(d_rank: int, args: argparse.Namespace, prefill: _Engine, decode: _
     return bytes(out)
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """What in the options could only fail, or silently not do what was asked."""
+    from pdfsm.topology import TopologyError, tp_ratio
+
+    for name in ("requests", "prefill_tp", "decode_tp", "blocks", "block_bytes", "lease_ms", "read_timeout_ms"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    try:
+        tp_ratio(args.decode_tp, args.prefill_tp)
+    except TopologyError as exc:
+        return f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: {exc}"
+    if args.fault and not 0 <= args.fault_request < args.requests:
+        return f"--fault-request {args.fault_request}: no such request (req-0 to req-{args.requests - 1})"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
+    refused = _refusal(args)
+    if refused:
+        print(f"demo: {refused}", file=sys.stderr)
+        return 2
     if args.log_dir is not None:
         refused = clear_demo_logs(Path(args.log_dir))
         if refused:

@@ -7,7 +7,7 @@ not import torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
@@ -17,6 +17,9 @@ __all__ = ["MARK", "Abort", "Finish", "Forge", "Load", "Op", "OpType", "Prefill"
 
 MARK = "PDFSM "
 
+
+NUM_BLOCKS: Final = 256  # each demo engine's KV pool, in blocks
+LEASE_MARGIN_S: Final = 1.0  # the decode side stops trusting reads this long before a lease ends
 
 class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):
     """Parent to engine."""

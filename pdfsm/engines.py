@@ -33,7 +33,20 @@ import torch
 
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.consumer import S
-from pdfsm.engine_messages import MARK, Abort, Finish, Forge, Load, Op, OpType, Prefill, Result, Tamper
+from pdfsm.engine_messages import (
+    LEASE_MARGIN_S,
+    MARK,
+    NUM_BLOCKS,
+    Abort,
+    Finish,
+    Forge,
+    Load,
+    Op,
+    OpType,
+    Prefill,
+    Result,
+    Tamper,
+)
 from pdfsm.events import CoreConfig, HandleDone, HandleFailed, HandleFailure, HandshakeReply, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
@@ -398,10 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8, help="the model's KV heads, shared out over the TP ranks")
     p.add_argument("--head-bytes", type=int, default=256)
-    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
     p.add_argument("--policy", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--lease-s", type=float, default=30.0)
-    p.add_argument("--lease-margin-s", type=float, default=1.0)
+    p.add_argument("--lease-margin-s", type=float, default=LEASE_MARGIN_S)
     p.add_argument("--read-timeout-s", type=float, default=10.0)
     p.add_argument("--drop-notification", default="", help="fault: lose the first notification for this id")
     p.add_argument("--host", default="127.0.0.1")

@@ -459,14 +459,20 @@ def clear_demo_logs(log_dir: Path) -> str | None:
     replays only itself; returns why not when a log there was not a demo's (it is left alone: an
     engine's log starts at seq 0 and cannot be appended to, nor may a demo delete someone's log)."""
     dirs = worker_logs(log_dir)
+    logs = {}
     for d in dirs:
-        if read_header(segment_paths(d)[0]).meta.get("writer") != DEMO_WRITER:
-            return f"{d} holds a log the demo did not write; choose another --log-dir"
+        segments = segment_paths(d)
+        try:
+            if segments and read_header(segments[0]).meta.get("writer") != DEMO_WRITER:
+                return f"{d} holds a log the demo did not write; choose another --log-dir"
+        except (LogError, OSError) as e:
+            return f"{d} holds a log whose header cannot be read ({e}); choose another --log-dir"
         if writer_holds(d):
             return f"{d} is being written by a running engine (another demo?); choose another --log-dir"
-    for d in dirs:
+        logs[d] = bool(segments)
+    for d, demo_log in logs.items():  # a lock alone: an engine killed before its first segment
         for f in d.iterdir():
-            if f.is_file() and (".pdlog" in f.name or f.name == LOCK_NAME):
+            if f.is_file() and ((demo_log and ".pdlog" in f.name) or f.name == LOCK_NAME):
                 f.unlink()
         if not any(d.iterdir()):
             d.rmdir()  # the next run may have other workers: no empty log left to confuse a replay

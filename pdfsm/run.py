@@ -44,7 +44,7 @@ from typing import IO, Any
 
 import msgspec
 
-from pdfsm.engine_messages import MARK, Finish, Forge, Load, Prefill, Result
+from pdfsm.engine_messages import LEASE_MARGIN_S, MARK, NUM_BLOCKS, Finish, Forge, Load, Prefill, Result
 from pdfsm.filelog import read_log
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
@@ -103,11 +103,32 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: {exc}") from None
     if args.prefill_pp > LAYERS:
         raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
+    if args.abort < 0:
+        raise UsageError(f"--abort {args.abort}: a count of requests, at least 0")
+    if not args.lease_s > LEASE_MARGIN_S:  # a read must end this long before the lease: none could
+        raise UsageError(f"--lease-s {args.lease_s}: must be longer than the decode side's lease margin "
+                         f"({LEASE_MARGIN_S:g} s)")
+    if args.in_flight * args.max_blocks > NUM_BLOCKS:  # the router does not wait for free blocks
+        raise UsageError(f"--in-flight {args.in_flight} x --max-blocks {args.max_blocks}: more than the "
+                         f"{NUM_BLOCKS} blocks of each engine's KV pool")
+    if args.log_dir is not None:
+        _check_log_dir(Path(args.log_dir))
     # A fault needs requests to act on: kill-prefill strikes the third, the others the second;
     # --abort N aborts requests 1, 4, 7...
     least = max([3 if f == "kill-prefill" else 2 for f in args.fault] + [3 * args.abort - 1 if args.abort else 1])
     if args.requests < least:
         raise UsageError(f"--requests {args.requests}: {', '.join(args.fault) or '--abort'} needs at least {least}")
+
+
+def _check_log_dir(path: Path) -> None:
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--log-dir {path}: not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"--log-dir {path}: not writable")
+    except OSError as e:
+        raise UsageError(f"--log-dir {path}: {e.strerror or e}") from None
 
 
 class Engine:
@@ -315,14 +336,17 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
     to_abort = args.abort
     deadline = time.monotonic() + args.timeout_s
     releases_due = args.requests
-    while done < started or started < args.requests or out.released + out.expired < min(started, releases_due):
+    skipped = 0  # refused by the prefill engine: never started
+    while (done < started or started + skipped < args.requests
+           or out.released + out.expired < min(started, releases_due)):
         if time.monotonic() > deadline:
             out.problems.append(f"timed out after {args.timeout_s:.0f} s with {len(in_flight)} requests in flight")
+            out.requests = done
             return
         # Until the kill, one request at a time: the kill then lands on a read that is in flight.
         window = 1 if "kill-prefill" in faults and not prefill.dead else args.in_flight
-        while started < args.requests and len(in_flight) < window and not prefill.dead:
-            i = started
+        while started + skipped < args.requests and len(in_flight) < window and not prefill.dead:
+            i = started + skipped
             started += 1
             in_flight[f"d-{i}"] = time.monotonic()
             prefill.send(Prefill(rid=f"p-{i}", blocks=rng.randint(1, args.max_blocks), seed=rng.randrange(1 << 30)))
@@ -342,6 +366,9 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
                 out.released += not r.expired
             elif r.ev == "error":
                 out.problems.append(f"prefill: {r.rid}: {r.reason}")
+                if in_flight.pop(f"d-{r.rid.split('-')[-1]}", None) is not None:  # never prefilled: ends here
+                    started -= 1
+                    skipped += 1
         for r in _drain(decode):
             if r.ev == "done":
                 done += 1
@@ -354,7 +381,7 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
                     out.latencies_ms.append((time.monotonic() - t0) * 1e3)
             elif r.ev == "error":
                 out.problems.append(f"decode: {r.rid}: {r.reason}")
-        if prefill.dead and (started < args.requests or set(in_flight) - loaded):
+        if prefill.dead and (started + skipped < args.requests or set(in_flight) - loaded):
             for rid in set(in_flight) - loaded:  # prefilled on a dead engine: never handed on
                 del in_flight[rid]
             started = done + len(in_flight)

@@ -1,0 +1,123 @@
+"""The options of ``pdfsm demo`` / ``pdfsm demo-sim`` as a new user and an on-call engineer would drive them.
+
+One real demo run (module-scoped fixture, about 14 s) plus cheap option and --log-dir checks that
+fail before any engine starts. Each test cites the promise it checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import time
+from pathlib import Path
+
+import pytest
+
+from pdfsm import demo as demo_sim
+from pdfsm import run as demo
+from pdfsm.filelog import LOCK_NAME
+from pdfsm.postmortem import clear_demo_logs
+from transports.nixl import nixl_available
+
+nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _run_command(*argv: str) -> tuple[int, str, str, float]:
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = demo.run_command(_args(*argv))
+    return code, out.getvalue(), err.getvalue(), time.monotonic() - t0
+
+
+# --- options the demo cannot run as asked (check_options: "Refuse what could only fail or silently
+# --- not do what was asked, naming the option"; UsageError: "refused before any engine starts") ---
+
+
+def test_a_negative_abort_count_is_refused() -> None:
+    """--abort help: "abort this many requests while their reads run". --abort -1 is accepted and,
+    as bool(-1) is true in _drive_requests, aborts requests 1, 4, 7... without limit (a 6-request run
+    reported {"received": 4, "aborted": 2} and exit 0)."""
+    with pytest.raises(demo.UsageError, match="--abort"):
+        demo.check_options(_args("--requests", "6", "--abort", "-1"))
+
+
+@pytest.mark.parametrize("lease", ["0", "-1"])
+def test_a_lease_that_is_not_positive_is_refused_naming_the_option(lease: str) -> None:
+    """--lease-s 0 (or negative) can only fail: today both engines are started and die with a
+    pdfsm.errors.InvalidInput traceback about ``lease_ns`` on stderr, never naming --lease-s."""
+    with pytest.raises(demo.UsageError, match="--lease-s"):
+        demo.check_options(_args("--requests", "2", "--lease-s", lease))
+
+
+def test_a_log_dir_that_is_a_file_is_refused_naming_the_option(tmp_path: Path) -> None:
+    """A --log-dir that is a regular file can only fail. Expected: exit 2 naming --log-dir, before
+    any engine starts. Today both engines are spawned, the prefill engine dies in FileSink's mkdir,
+    and the user gets the tail of the child's traceback (NotADirectoryError) with no mention of
+    the option."""
+    f = tmp_path / "logs"
+    f.write_text("not a directory\n")
+    code, _, err, _ = _run_command("--log-dir", str(f), "--requests", "1", "--quiet")
+    assert code == 2
+    assert "--log-dir" in err, err
+    assert "Traceback" not in err and "File \"" not in err, err
+
+
+def test_a_log_dir_whose_name_is_too_long_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    """run_command turns engine and usage errors into "pdfsm demo: ..." and exit 2. A --log-dir with
+    a 300-character component makes clear_demo_logs' is_dir() raise OSError(ENAMETOOLONG), which
+    escapes run_command as a traceback (exit 1, the code for "a run with problems")."""
+    try:
+        code, _, err, _ = _run_command("--log-dir", str(tmp_path / ("x" * 300)), "--requests", "1", "--quiet")
+    except OSError as exc:
+        pytest.fail(f"pdfsm demo raised {exc!r} instead of reporting a usage error")
+    assert code == 2, err
+
+
+def test_rerun_over_a_worker_dir_holding_only_a_stale_writer_lock(tmp_path: Path) -> None:
+    """docs/decisions.md: "--log-dir reuse removes an earlier demo's segments and its writer.lock".
+    worker_logs() lists a directory holding only writer.lock (its docstring: an engine killed between
+    taking the lock and writing its first segment, or a segment moved aside by --repair), and
+    clear_demo_logs then indexes segment_paths(d)[0] of an empty list: `pdfsm demo --log-dir` dies
+    with IndexError (reproduced through the CLI, exit 1) instead of clearing or refusing it."""
+    d = tmp_path / "prefill-pp0-tp0"
+    d.mkdir()
+    (d / LOCK_NAME).touch()
+    try:
+        refused = clear_demo_logs(tmp_path)
+    except IndexError as exc:
+        pytest.fail(f"clear_demo_logs raised {exc!r} on a directory holding only {LOCK_NAME}")
+    assert refused is None or "--log-dir" in refused
+
+
+def test_demo_sim_fault_on_a_request_that_never_runs_is_not_reported_as_planted(tmp_path: Path) -> None:
+    """demo-sim --fault help: "plant one fault on request --fault-request". With --fault-request 99
+    and 16 requests nothing is hit, yet the run prints "fault planted: read-error on req-99, failed
+    reads: 0" and exits 0: a postmortem drill with nothing to find. (`pdfsm demo` refuses the same
+    mistake: check_options "A fault needs requests to act on".) Expected: a usage error (exit 2)."""
+    p = argparse.ArgumentParser()
+    demo_sim.add_arguments(p)
+    args = p.parse_args(["--log-dir", str(tmp_path / "logs"), "--quiet", "--fault", "read-error",
+                         "--fault-request", "99"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = demo_sim.run(args)
+    assert code == 2, out.getvalue()[-2000:]
+
+
+# --- more blocks in flight than the engines' pool (256 blocks) --------------------------------------
+
+
+def test_more_blocks_in_flight_than_an_engine_holds_is_refused_up_front() -> None:
+    """--requests 4 --in-flight 4 --max-blocks 150: the router sends prefills without waiting for
+    free blocks, so the prefill engine (256 blocks) answered one "out of blocks" and the run sat
+    until --timeout-s with it "in flight". check_options refuses what could only fail."""
+    code, _, err, _ = _run_command("--requests", "4", "--in-flight", "4", "--max-blocks", "150")
+    assert code == 2 and "--max-blocks" in err, err
