@@ -25,10 +25,11 @@ replicas), which would merge their ids. ``src`` is a rank *within the group*.
 
 **How.** Two collectives, both on every rank, whatever the arguments:
 
-1. an ``all_reduce(MAX)`` of seven int64 values (the highest group rank whose id
+1. an ``all_reduce(MAX)`` of eight int64 values (the highest group rank whose id
    was refused, plus one; the same for ``src`` outside the group; ``src``;
    ``-src``; the same as the first for a ``device`` that rank cannot use; the
-   ``fingerprint`` and its negation), so every rank learns whether any rank's id,
+   ``fingerprint``'s digest and its negation; the same as the first for a
+   fingerprint that is no integer), so every rank learns whether any rank's id,
    ``src`` or device was refused or the ranks disagree on ``src`` or the
    fingerprint, and then *all* of them raise
    :class:`~pdfsm.errors.InvalidInput`, none waiting in a collective the others
@@ -44,9 +45,10 @@ pickle, and nothing pdfsm receives is unpickled. torch is imported lazily, so
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 import uuid
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, SupportsIndex
 
 import structlog
 
@@ -100,7 +102,7 @@ def _unpack(buffer: bytes) -> str:
     return buffer[_LENGTH.size:_LENGTH.size + n].decode("utf-8")
 
 
-_FINGERPRINTS: Final = 1 << 62  # fingerprints are taken modulo this: f and -f both fit an int64
+_FINGERPRINTS: Final = 1 << 62  # fingerprint digests are below this: f and -f both fit an int64
 _SHARED_FIELDS: Final = ("tp_size", "pp_size", "mla", "block_size", "compat_hash")
 
 
@@ -110,7 +112,12 @@ def _layout_fingerprint(fields: dict[str, Any]) -> int:
     sync's first collective, on every rank, instead of by a peer's reads going wrong."""
     defaults = CoreConfig(engine_id="x")
     shared = [repr(fields.get(name, getattr(defaults, name))) for name in _SHARED_FIELDS]
-    return int.from_bytes(hashlib.blake2b("\0".join(shared).encode(), digest_size=8).digest()) % _FINGERPRINTS
+    return int.from_bytes(hashlib.blake2b("\0".join(shared).encode(), digest_size=8).digest())
+
+
+def _digest(n: int) -> int:
+    """A 62-bit digest of any integer: two that differ (by 2**62 too) differ here but by chance."""
+    return int.from_bytes(hashlib.blake2b(str(n).encode(), digest_size=8).digest()) % _FINGERPRINTS
 
 
 def _default_device(dist: Any, group: ProcessGroup | None) -> torch.device:
@@ -128,7 +135,7 @@ def sync_engine_id(
     *,
     src: int = 0,
     device: str | torch.device | None = None,
-    fingerprint: int = 0,
+    fingerprint: SupportsIndex = 0,
 ) -> str:
     """Every rank of ``group`` adopts group rank ``src``'s engine id, which is returned on every rank.
 
@@ -169,22 +176,28 @@ def sync_engine_id(
     bad_device = ""
     try:
         dev = torch.device(device) if device is not None else _default_device(dist, group)
+        if dev.type == "meta":  # takes part in no collective: the others would wait for it
+            raise ValueError("the meta device holds no data")
         torch.empty(1, device=dev)
-    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # a CUDA device this node lacks
+    except Exception as exc:  # noqa: BLE001 - a CUDA device this node lacks, a backend not installed (hpu)
         dev, bad_device = _default_device(dist, group), f"{type(exc).__name__}: {exc}"
 
     # 1. Agree, so that every rank raises or none does (no rank left waiting in step 2).
     encoded = _encode(engine_id)
     bad_src = isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size
     s = 0 if bad_src else src
-    f = fingerprint % _FINGERPRINTS if isinstance(fingerprint, int) else -1
+    try:  # any integer (a numpy or torch one too), as a 62-bit digest: f and -f both fit an int64
+        f, bad_fingerprint = _digest(operator.index(fingerprint)), False
+    except TypeError:
+        f, bad_fingerprint = 0, True
     verdict = torch.tensor([me + 1 if isinstance(encoded, str) else 0, me + 1 if bad_src else 0, s, -s,
-                            me + 1 if bad_device else 0, f, -f], dtype=torch.int64, device=dev)
+                            me + 1 if bad_device else 0, f, -f, me + 1 if bad_fingerprint else 0],
+                           dtype=torch.int64, device=dev)
     try:
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as exc:  # torch's timeout and broken-peer errors (DistBackendError is one)
         raise EngineSyncError("agreement (all_reduce)", me, exc) from exc
-    id_rank, src_rank, high, low, dev_rank, f_high, f_low = (int(v) for v in verdict.tolist())
+    id_rank, src_rank, high, low, dev_rank, f_high, f_low, f_rank = (int(v) for v in verdict.tolist())
     if dev_rank:
         why = f"{bad_device} (group rank {me})" if bad_device else f"refused on group rank {dev_rank - 1}"
         raise InvalidInput("device", f"{why}; no rank adopted an id")
@@ -194,6 +207,9 @@ def sync_engine_id(
     if high != -low:
         raise InvalidInput("src", f"the ranks of the group name different sources ({-low} to {high}); "
                                   "no rank adopted an id")
+    if f_rank:
+        why = f"got {fingerprint!r}" if bad_fingerprint else f"refused on group rank {f_rank - 1}"
+        raise InvalidInput("fingerprint", f"must be an integer: {why}; no rank adopted an id")
     if f_high != -f_low:
         raise InvalidInput("fingerprint", "the ranks of the group differ (one engine's ranks must share its "
                                           "layout: tp_size, pp_size, mla, block_size, compat_hash); "

@@ -113,6 +113,9 @@ def replay(records: Iterable[Record], *, window: int = 1024, unrecorded: list[Re
         if rec.root:
             if pending:
                 raise Divergence(pending[0].seq, None, pending[0], "recomputed records the log does not have")
+            if rec.event.DERIVED:  # only the core makes these, each with its cause: never an input
+                raise Divergence(rec.seq, rec, None, f"{type(rec.event).__name__} is derived by the core, "
+                                                     "but recorded with no cause (as an input)")
             with contextlib.suppress(ProtocolError):  # strict mode raised after recording, as it did then
                 core.apply(rec.event)
             core.log.flush()
