@@ -29,14 +29,15 @@ def _edges(table: Table) -> dict[tuple[State, State], list[str]]:
     return edges
 
 
-def mermaid(table: Table, *, shade: Iterable[tuple[str, str]] = ()) -> str:
-    """A Mermaid ``stateDiagram-v2``; states never entered in ``shade`` are drawn grey."""
+def mermaid(table: Table, *, shade: Iterable[tuple[str, str]] | None = None) -> str:
+    """A Mermaid ``stateDiagram-v2``; with ``shade`` (the (state, event) cells a log exercised),
+    states never entered there are drawn grey: all of them when it is empty."""
     lines = ["stateDiagram-v2", f"    [*] --> {table.initial.name}"]
     for (src, dst), labels in _edges(table).items():
         lines.append(f"    {src.name} --> {dst.name}: {'<br/>'.join(labels)}")
     lines.extend(f"    {s.name} --> [*]" for s in table.states if s.terminal)
-    seen = {state for state, _ in shade}
-    if seen:
+    if shade is not None:
+        seen = {state for state, _ in shade}
         lines.append("    classDef unvisited fill:#eee,color:#999")
         lines.extend(f"    class {s.name} unvisited" for s in table.states if s.name not in seen)
     return "\n".join(lines) + "\n"

@@ -314,15 +314,19 @@ class Visit:
 
 
 def visits(records: Iterable[Record], *, at: int | None = None) -> list[Visit]:
-    """Every state visit of every machine, in the order they started; self-loops stay one visit."""
+    """Every state visit of every machine, in the order they started; self-loops stay one visit.
+    Times run forward per machine: a record stamped before one applied earlier (its thread read
+    the clock first, submitted later) is placed at that one's time, so visits never overlap."""
     out: list[Visit] = []
     current: dict[tuple[str, Any], int] = {}  # machine -> index of its open visit in ``out``
+    latest: dict[tuple[str, Any], int] = {}  # machine -> the latest time placed on it
     for rec in records:
         if at is not None and rec.seq > at:
             break
         if rec.machine == "core":
             continue
         key = (rec.machine, machine_key(rec))
+        t = latest[key] = max(rec.event.t_ns, latest.get(key, rec.event.t_ns))
         i = current.get(key)
         if i is None and rec.state == _INITIAL.get(rec.machine):
             continue
@@ -331,9 +335,9 @@ def visits(records: Iterable[Record], *, at: int | None = None) -> list[Visit]:
                 continue
             v = out[i]
             out[i] = Visit(v.machine, v.key, v.state, v.start_seq, v.start_t_ns, v.entered_by,
-                           rec.seq, rec.event.t_ns, type(rec.event).__name__)
+                           rec.seq, t, type(rec.event).__name__)
         current[key] = len(out)
-        out.append(Visit(rec.machine, key[1], rec.state, rec.seq, rec.event.t_ns, type(rec.event).__name__))
+        out.append(Visit(rec.machine, key[1], rec.state, rec.seq, t, type(rec.event).__name__))
     return out
 
 

@@ -122,8 +122,9 @@ def _rows(logs: Sequence[LoadedLog]) -> list[_Row]:
             row = rows.setdefault((v.machine, v.key), _Row(log.name, v.machine, v.key, [], [], end, False))
             row.visits.append(v)
         for rec in log.records:
-            if rec.fault is not None and rec.machine != "core":
-                # a machine that never left its initial state (a rejected first event) gets a row too
+            if rec.fault is not None:
+                # a machine that never left its initial state (a rejected first event) gets a row
+                # too, and so do the core's own violations (an undecodable message, events dropped)
                 key = (rec.machine, machine_key(rec))
                 rows.setdefault(key, _Row(log.name, rec.machine, key[1], [], [], end, False)).marks.append(rec)
         for row in rows.values():
