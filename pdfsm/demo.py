@@ -130,15 +130,13 @@ def _expected(d_rank: int, args: argparse.Namespace, prefill: _Engine, decode: _
 
 def _refusal(args: argparse.Namespace) -> str | None:
     """What in the options could only fail, or silently not do what was asked."""
-    from pdfsm.topology import TopologyError, tp_ratio
+    from pdfsm.run import UsageError, check_sizes
 
-    for name in ("requests", "prefill_tp", "decode_tp", "blocks", "block_bytes", "lease_ms", "read_timeout_ms"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be at least 1"
     try:
-        tp_ratio(args.decode_tp, args.prefill_tp)
-    except TopologyError as exc:
-        return f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: {exc}"
+        check_sizes(args, ("requests", "prefill_tp", "decode_tp", "blocks", "block_bytes", "lease_ms",
+                           "read_timeout_ms"))
+    except UsageError as exc:
+        return str(exc)
     if args.fault and not 0 <= args.fault_request < args.requests:
         return f"--fault-request {args.fault_request}: no such request (req-0 to req-{args.requests - 1})"
     return None

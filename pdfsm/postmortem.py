@@ -231,6 +231,7 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
     directory it is in); a repeated name gets ``#2``, ``#3``... A path named twice (also through
     a directory holding it) is read once."""
     found: list[tuple[str, Path]] = []
+    seen: set[Path] = set()
     for arg in paths:
         p = Path(arg)
         try:
@@ -238,16 +239,11 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
         except OSError:  # unreadable: load() says so as the log's status
             subs = []
         for log in subs or [p]:
+            if log.resolve() in seen:  # named twice (its directory and it): read once
+                continue
+            seen.add(log.resolve())
             name = log.parent.name if log.is_file() and log.name[:1].isdigit() else log.name
             found.append((name or str(log), log))
-    seen: set[Path] = set()
-    unique_logs = []
-    for name, log in found:  # a log named twice (its directory and it) is read once
-        real = log.resolve()
-        if real not in seen:
-            seen.add(real)
-            unique_logs.append((name, log))
-    found = unique_logs
     out: list[tuple[str, Path]] = []
     taken = {name for name, _ in found}  # every log's own name
     given: set[str] = set()
@@ -354,13 +350,12 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     if reader.headers:
         out.meta = {k: v for k, v in reader.headers[0].meta.items()
                     if isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v))}  # strict JSON
-    if reader.torn is not None and out.status == "ok" and later is not None:
-        t = reader.torn
+    t = reader.torn
+    if t is not None and out.status == "ok" and later is not None:
         out.status, out.error_file, out.error_offset = "corrupt", t.path, t.offset
         out.error = (f"{t.path} at byte {t.offset}: {t.reason.removeprefix('torn tail: ')}; {later.name} "
                      f"follows it in {path.parent}, so this is corruption, not a torn tail: replay the directory")
-    elif reader.torn is not None and out.status == "ok":
-        t = reader.torn
+    elif t is not None and out.status == "ok":
         out.status = "torn_tail"
         out.torn = {"file": t.path, "offset": t.offset, "reason": t.reason.removeprefix("torn tail: "),
                     "repaired": False, "backup": None, "removed_bytes": None, "writer_live": live,

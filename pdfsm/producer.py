@@ -134,7 +134,12 @@ def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     core.leases.disarm(m.request_id, m.deadline)  # the staging time no longer applies
     core.unstage(m)
     _hold(m, ev, core)
-    if m.extended_to is not None and m.extended_to > m.deadline:  # an early heartbeat promised longer
+    _keep_promise(m, core)
+
+
+def _keep_promise(m: ProducerRequest, core: Core) -> None:
+    """An early heartbeat promised the lease longer than its deadline now: keep that promise."""
+    if m.extended_to is not None and m.extended_to > m.deadline:
         core.leases.disarm(m.request_id, m.deadline)
         m.deadline = m.extended_to
         core.leases.arm(m.request_id, m.deadline)
@@ -178,10 +183,7 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     promised = ev.t_ns + ev.extend_ns
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     core.promise(m)
-    if m.extended_to > m.deadline:
-        core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = m.extended_to
-        core.leases.arm(m.request_id, m.deadline)
+    _keep_promise(m, core)
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:

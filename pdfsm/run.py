@@ -50,7 +50,7 @@ from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
 from pdfsm.replay import render, replay, summarize
 
-__all__ = ["Outcome", "UsageError", "add_arguments", "check_options", "main", "run", "run_command"]
+__all__ = ["Outcome", "UsageError", "add_arguments", "check_options", "check_sizes", "main", "run", "run_command"]
 
 FAULTS = ("kill-prefill", "drop-notification", "forge-notification", "wrong-engine-id", "compat-hash")
 LEASE_FAULTS = frozenset({"drop-notification", "forge-notification", "wrong-engine-id", "compat-hash"})
@@ -90,17 +90,22 @@ class UsageError(ValueError):
 LAYERS = 4  # the demo model's layers, shared out over the prefill PP ranks
 
 
-def check_options(args: argparse.Namespace) -> None:
-    """Refuse what could only fail or silently not do what was asked, naming the option."""
+def check_sizes(args: argparse.Namespace, names: Iterable[str]) -> None:
+    """Each option of ``names`` at least 1, and a TP pair the topology can plan (both demos)."""
     from pdfsm.topology import TopologyError, tp_ratio
 
-    for name in ("requests", "prefill_tp", "decode_tp", "prefill_pp", "max_blocks", "in_flight"):
+    for name in names:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     try:
         tp_ratio(args.decode_tp, args.prefill_tp)
     except TopologyError as exc:
         raise UsageError(f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: {exc}") from None
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse what could only fail or silently not do what was asked, naming the option."""
+    check_sizes(args, ("requests", "prefill_tp", "decode_tp", "prefill_pp", "max_blocks", "in_flight"))
     if args.prefill_pp > LAYERS:
         raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
     if args.abort < 0:
@@ -336,17 +341,15 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
     to_abort = args.abort
     deadline = time.monotonic() + args.timeout_s
     releases_due = args.requests
-    skipped = 0  # refused by the prefill engine: never started
-    while (done < started or started + skipped < args.requests
-           or out.released + out.expired < min(started, releases_due)):
+    while done < started or started < args.requests or out.released + out.expired < min(started, releases_due):
         if time.monotonic() > deadline:
             out.problems.append(f"timed out after {args.timeout_s:.0f} s with {len(in_flight)} requests in flight")
             out.requests = done
             return
         # Until the kill, one request at a time: the kill then lands on a read that is in flight.
         window = 1 if "kill-prefill" in faults and not prefill.dead else args.in_flight
-        while started + skipped < args.requests and len(in_flight) < window and not prefill.dead:
-            i = started + skipped
+        while started < args.requests and len(in_flight) < window and not prefill.dead:
+            i = started
             started += 1
             in_flight[f"d-{i}"] = time.monotonic()
             prefill.send(Prefill(rid=f"p-{i}", blocks=rng.randint(1, args.max_blocks), seed=rng.randrange(1 << 30)))
@@ -367,8 +370,9 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
             elif r.ev == "error":
                 out.problems.append(f"prefill: {r.rid}: {r.reason}")
                 if in_flight.pop(f"d-{r.rid.split('-')[-1]}", None) is not None:  # never prefilled: ends here
-                    started -= 1
-                    skipped += 1
+                    done += 1
+                    out.outcomes["refused"] += 1
+                    releases_due -= 1  # nothing held: nothing to release
         for r in _drain(decode):
             if r.ev == "done":
                 done += 1
@@ -381,7 +385,7 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
                     out.latencies_ms.append((time.monotonic() - t0) * 1e3)
             elif r.ev == "error":
                 out.problems.append(f"decode: {r.rid}: {r.reason}")
-        if prefill.dead and (started + skipped < args.requests or set(in_flight) - loaded):
+        if prefill.dead and (started < args.requests or set(in_flight) - loaded):
             for rid in set(in_flight) - loaded:  # prefilled on a dead engine: never handed on
                 del in_flight[rid]
             started = done + len(in_flight)

@@ -143,6 +143,7 @@ def test_enginesync_module_docstring_counts_the_values_of_the_agreement(tmp_path
         return real(tensor, *args, **kwargs)
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo listens on loopback, not the host's address
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         monkeypatch.setattr(dist, "all_reduce", spy)
