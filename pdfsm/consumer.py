@@ -379,7 +379,7 @@ def _stop_waiting(m: ConsumerRequest, core: Core) -> None:
     _disarm_deadline(m, core)
 
 
-def _post_reads(m: ConsumerRequest, core: Core) -> None:
+def _post_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
     note = Notification(req.remote_request_id, plan.part, plan.of)
@@ -391,11 +391,14 @@ def _post_reads(m: ConsumerRequest, core: Core) -> None:
     if not m.engines and len(plan.pp_ranks) == 1:  # the common case, spelt out: no loop, no generator
         e = engines[(eid, plan.pp_ranks[0])]
         e.readers += 1
+        e.idle_since = max(e.idle_since, t_ns)  # used now: not forgotten for being idle (Core.engine_idle)
         m.engines = (e,)
         m.attempts = e.attempt
     else:
         for pp in plan.pp_ranks:
-            _hold(m, engines[(eid, pp)])
+            e = engines[(eid, pp)]
+            _hold(m, e)
+            e.idle_since = max(e.idle_since, t_ns)
         m.attempts = _attempts(m, core)
 
 
@@ -419,7 +422,7 @@ def _read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     m.plan = core.plans[(ev.remote_tp, ev.remote_pp)]
     m.deadline, m.trust = times_of(ev, core)
     core.deadlines.arm(m.request_id, m.deadline)
-    _post_reads(m, core)
+    _post_reads(m, core, ev.t_ns)
 
 
 def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -495,7 +498,7 @@ def _rewatch_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
 
 def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting = 0
-    _post_reads(m, core)
+    _post_reads(m, core, ev.t_ns)
 
 
 def _notify_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:

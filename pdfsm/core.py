@@ -155,8 +155,9 @@ class Core:
         self.engines: Final[dict[EngineKey, engine.RemoteEngine]] = {}
         # Consumer read deadlines and producer leases (staging times too), each on its own wheel.
         self.deadlines, self.leases = timers or (Timers(), Timers())
-        # Engines left FAILED or DISCONNECTED, keyed "pp_rank:engine_id": forgotten when due unless
-        # used again (producers restart under new ids; a router may name engines that never answer).
+        # Engines left FAILED or DISCONNECTED, or connected and unused, keyed "pp_rank:engine_id":
+        # forgotten when due unless used again (producers restart under new ids; a router may name
+        # engines that never answer).
         self.idle: Final = Timers()
         self.engines_forgotten = 0  # evictions so far: the base of a re-created engine's attempt numbers
         # Remembered terminal states: a dict per machine kind, with its keys in arrival order in a
@@ -188,6 +189,7 @@ class Core:
         self._tombstones = config.tombstones
         self._tombstone_ns = config.tombstone_ns or 2 * max(config.lease_ns, config.read_timeout_ns)
         self._forget_engine_ns = max(self._tombstone_ns, config.handshake_retry_ns)  # never before a retry
+        self._idle_engine_ns = config.idle_engine_ns
         # The latest time a core event (a Tick, a Collect) brought: what the core knows the time is
         # at least, whatever older stamp a late event carries from another thread.
         self.latest_t_ns = t_ns
@@ -376,13 +378,22 @@ class Core:
         for _, key in self.leases.due(now):
             if key in self.producers:
                 self.derive(LeaseExpired(source=Source.CORE, t_ns=now, request_id=key))
-        for _, key in self.idle.due(now):
+        for deadline, key in self.idle.due(now):
             pp, _, engine_id = key.partition(":")
             e = self.engines.get((engine_id, int(pp)))
-            if e is None or (e.state is not engine.S.FAILED and e.state is not engine.S.DISCONNECTED):
-                continue  # used again since
-            if e.readers or e.waiters or now < e.idle_since + self._forget_engine_ns:
-                self.idle.arm(key, max(now, e.idle_since) + self._forget_engine_ns)  # held: look again later
+            if e is None or e.idle_at != deadline:
+                continue  # forgotten, or its timer moved since
+            e.idle_at = None
+            if e.state is engine.S.CONNECTED:
+                period = self._idle_engine_ns
+            elif e.state is engine.S.FAILED or e.state is engine.S.DISCONNECTED:
+                period = self._forget_engine_ns
+            else:
+                continue  # a handshake runs: its outcome arms the timer again
+            if now < e.idle_since + period:
+                self._arm_idle(e, e.idle_since + period)  # used since
+            elif e.readers or e.waiters:
+                self._arm_idle(e, now + period)  # held: look again later
             else:
                 self.derive(EvictRequested(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank))
 
@@ -413,10 +424,25 @@ class Core:
 
     # --- what actions may ask of the core ----------------------------------------------------------
 
-    def engine_idle(self, e: engine.RemoteEngine, t_ns: int) -> None:
-        """``e`` failed or disconnected: forget it in a while unless it is wanted again."""
+    def engine_idle(self, e: engine.RemoteEngine, t_ns: int, *, connected: bool = False) -> None:
+        """``e`` failed or disconnected: forget it in a while unless it is wanted again. Or it
+        connected: forget it once nobody has read from it for ``idle_engine_ns`` (reads move
+        ``idle_since``), so the engines of producers long gone do not pile up."""
         e.idle_since = t_ns
-        self.idle.arm(f"{e.pp_rank}:{e.engine_id}", t_ns + self._forget_engine_ns)
+        period = self._idle_engine_ns if connected else self._forget_engine_ns
+        if period:
+            self._arm_idle(e, t_ns + period)
+        elif e.idle_at is not None:
+            self.idle.disarm(f"{e.pp_rank}:{e.engine_id}", e.idle_at)
+            e.idle_at = None
+
+    def _arm_idle(self, e: engine.RemoteEngine, at: int) -> None:
+        """One idle timer per engine: the one armed before is disarmed."""
+        key = f"{e.pp_rank}:{e.engine_id}"
+        if e.idle_at is not None:
+            self.idle.disarm(key, e.idle_at)
+        e.idle_at = at
+        self.idle.arm(key, at)
 
     def plan(self, remote_tp: int, remote_pp: int) -> ReadPlan:
         """The read plan against a producer layout; raises TopologyError if there is none."""

@@ -73,6 +73,7 @@ class RemoteEngine:
         "engine_id",
         "error",
         "host",
+        "idle_at",
         "idle_since",
         "port",
         "pp_rank",
@@ -94,7 +95,8 @@ class RemoteEngine:
         self.reply: HandshakeReply | None = None
         self.error: HandshakeError | None = None
         self.retry_at = 0
-        self.idle_since = 0  # when it last failed or disconnected
+        self.idle_since = 0  # when it last failed, disconnected, connected or was read from
+        self.idle_at: int | None = None  # its one armed idle timer (Core.idle), if any
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.engine_id!r}, pp_rank={self.pp_rank}, {self.state})"
@@ -228,6 +230,7 @@ def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
 
 def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
     _tell_waiters(m, core, ev.t_ns)
+    core.engine_idle(m, ev.t_ns, connected=True)
 
 
 def _handshake_failed(m: RemoteEngine, ev: HandshakeFailed, core: Core) -> None:

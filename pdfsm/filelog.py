@@ -115,7 +115,7 @@ __all__ = [
 MAGIC: Final = b"PDFSMLOG"
 FRAME_MARKER: Final = b"PDFB"
 FORMAT_VERSION: Final = 1
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 HEADER_FIXED: Final = struct.Struct("<8sHHIQ8s")  # magic, format, flags, meta_len, start_seq, salt
 FRAME: Final = struct.Struct("<4sIIIIHHQqq")  # marker, crc, length, count, prev_crc, schema, flags, base, wall, mono
 _FRAME_TAIL: Final = struct.Struct("<IIIHHQqq")  # FRAME from byte 8: what the crc covers before the payload
@@ -246,7 +246,17 @@ def _events_as_arrays(row: list[Any]) -> list[Any]:
     return [row[0], values, *row[2:]]
 
 
-UPCASTERS: Final[Mapping[int, Upcaster]] = {1: _events_as_arrays}
+def _engines_never_idled_out(row: list[Any]) -> list[Any]:
+    """Schema 2 to 3: ``CoreConfig.idle_engine_ns`` came with schema 3 (connected engines unread
+    that long are evicted). A core that wrote schema 2 never evicted a connected engine for
+    idleness, so its config replays with 0 (never), not today's default."""
+    event = row[1]
+    if isinstance(event, list) and len(event) > 3 and event[0] == "Started" and isinstance(event[3], dict):
+        event[3].setdefault("idle_engine_ns", 0)
+    return row
+
+
+UPCASTERS: Final[Mapping[int, Upcaster]] = {1: _events_as_arrays, 2: _engines_never_idled_out}
 """``{v: upcaster from v to v + 1}``. Adding version N + 1 means adding ``UPCASTERS[N]``,
 bumping SCHEMA_VERSION and committing tests/golden/v<N+1>.pdlog."""
 

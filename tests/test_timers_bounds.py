@@ -448,6 +448,10 @@ def test_core_structures_stay_bounded_and_drain(seed: int, ops: list[tuple[int, 
     assert core.producers == {}, core.producers
     assert all(e.state is engine.S.CONNECTED for e in core.engines.values()), core.engines
     assert len(core.deadlines) == 0 and len(core.leases) == 0
+    # Connected engines stay until nobody has read from them for idle_engine_ns, then go too.
+    a.now += core.config.idle_engine_ns
+    a.apply(a.ev(Tick))
+    assert core.engines == {}, core.engines
     assert len(core.idle) == 0, armed(core.idle)
     assert not core._staged and not core._promised and not core.ready_ids
     assert core.next_deadline() is None

@@ -439,6 +439,7 @@ class NixlTransport:
         """Forget ``key`` now; remove its agents once none of our reads to them is alive."""
         self._check()
         ranks = self.peers.pop(key, None)
+        self._disconnected.discard(key)  # a later loss is of no peer (_peer_lost): nothing to report
         if ranks is None:
             return
         self.layer_map.changed(key[0])

@@ -202,6 +202,8 @@ class SimTransport:
 
     def drop_peer(self, key: EngineKey) -> None:
         self.peers.pop(key, None)
+        self._attempts.pop(key, None)
+        self._disconnected.discard(key)  # a later loss is of no peer: nothing to report
 
     def post_read(self, cmd: PostRead) -> None:
         src = cmd.source

@@ -265,7 +265,10 @@ class TorchTransport:
         self.layer_map.changed(key[0])
 
     def drop_peer(self, key: EngineKey) -> None:
-        if self.peers.pop(key, None) is not None:
+        with self._reads_lock:
+            dropped = self.peers.pop(key, None)
+            self._disconnected.discard(key)  # a later loss is of no peer: nothing to report
+        if dropped is not None:
             self.layer_map.changed(key[0])
 
     # --- reads ----------------------------------------------------------------------------------

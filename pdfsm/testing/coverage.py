@@ -40,6 +40,9 @@ DIRECTED: dict[str, tuple[Scenario, tuple[str, ...]]] = {
     "a late refusal after the peer disconnected": (_LATE, (
         *_RETRIED, "adapter D0: PeerAdded reaches D0", "fault: the producer disconnects",
         "handshake: D0 gets a late answer for (P, pp 0) #1: refused")),
+    "a late answer after the peer disconnected": (_LATE, (
+        *_RETRIED, "adapter D0: PeerAdded reaches D0", "fault: the producer disconnects",
+        "handshake: D0 gets a late answer for (P, pp 0) #1")),
     "the peer added after its engine was forgotten": (_LATE, (
         *_RETRIED, "fault: the producer disconnects", "timer: idle eviction of the producer engine",
         "adapter D0: PeerAdded reaches D0")),

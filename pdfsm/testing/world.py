@@ -122,6 +122,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     add_peer_async: bool = False  # the peer-added outcome is its own step (others may come between)
     handshake_retry_ns: int = 10  # the pause after a failed handshake before the next request retries
     tombstone_ns: int = 0  # the cores' tombstone_ns (0: their default); idle engines go after max(it, retry)
+    idle_engine_ns: int = 150  # a connected engine unread this long is evicted (0: never)
     prefix: tuple[str, ...] = ()  # choices made first, by name, to start exploring from a deep point
     max_steps: int = 40
 
@@ -197,7 +198,7 @@ class World:
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
                                 read_timeout_ns=s.read_timeout_ns, lease_margin_ns=s.lease_margin_ns,
                                 handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged,
-                                tombstone_ns=s.tombstone_ns, **cfg)
+                                tombstone_ns=s.tombstone_ns, idle_engine_ns=s.idle_engine_ns, **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
                         logger=_QUIET)
 
