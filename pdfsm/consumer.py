@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
-from pdfsm.engine import EngineState, RemoteEngine
+from pdfsm.engine import EngineState, RemoteEngine, pay_drop
 from pdfsm.errors import UnsupportedPP
 from pdfsm.events import (
     AbortRequested,
@@ -363,9 +363,13 @@ def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
         e.readers += 1
 
 
-def _let_go(m: ConsumerRequest) -> None:
+def _let_go(m: ConsumerRequest, core: Core) -> None:
+    """Release the engines held; a lost one's peer goes with its last reader. Callers notify
+    first: the notification to a lost stage's live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
+        if e.drop_owed and not e.readers:
+            pay_drop(e, core)
     m.engines = ()
 
 
@@ -375,7 +379,7 @@ def _stop_waiting(m: ConsumerRequest, core: Core) -> None:
         assert m.req is not None
         core.unwatch(m.request_id, m.req.engine_id, m.waiting)
         m.waiting = 0
-    _let_go(m)
+    _let_go(m, core)
     _disarm_deadline(m, core)
 
 
@@ -503,9 +507,9 @@ def _all_engines_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
 
 def _notify_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting = 0
-    _let_go(m)
     _disarm_deadline(m, core)
     _notify_unread(m, core, ev.t_ns)
+    _let_go(m, core)
     core.finished(m, "notified", ev.t_ns)
 
 
@@ -713,9 +717,9 @@ def _refused_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None
 
 def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core) -> None:
     _stopped(m, ev)
-    _let_go(m)
     _disarm_deadline(m, core)
     _notify_unread(m, core, ev.t_ns)
+    _let_go(m, core)
     core.ready(m)
 
 
@@ -725,12 +729,12 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     assert plan is not None
     done = m.done = m.done | m.pending
     m.pending = 0
-    _let_go(m)
     if m.deadline is not None:
         core.deadlines.disarm(m.request_id, m.deadline)
         m.deadline = None
     if done != plan.all_read or plan.notify_only:
         _notify_unread(m, core, ev.t_ns)
+    _let_go(m, core)
     core.ready(m)
 
 

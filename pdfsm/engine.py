@@ -70,6 +70,7 @@ class RemoteEngine:
 
     __slots__ = (
         "attempt",
+        "drop_owed",
         "engine_id",
         "error",
         "host",
@@ -92,6 +93,7 @@ class RemoteEngine:
         self.port = 0
         self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
         self.readers = 0  # requests holding it: told it is ready, or reading from it
+        self.drop_owed = False  # lost while held: its peer is dropped when the last reader lets go (pay_drop)
         self.reply: HandshakeReply | None = None
         self.error: HandshakeError | None = None
         self.retry_at = 0
@@ -170,6 +172,7 @@ def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> boo
 
 
 def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    pay_drop(m, core)  # handshaken again while a reader of the lost connection still stops: a clean slate
     if not m.attempt:
         # A fresh machine for a key seen before (forgotten since) numbers its attempts above every
         # earlier one's, so a late answer to the forgotten machine's attempt is recognized stale.
@@ -273,8 +276,22 @@ def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) ->
 
 
 def _lost(m: RemoteEngine, ev: PeerDisconnected, core: Core) -> None:
-    _drop(m, ev, core)
+    """One rank's loss ends the stage's connection. Requests still reading it stop first: their
+    cancelled reads end, then they notify the stage's live ranks, which needs the peer, so the
+    drop waits for the last of them (pay_drop, from the consumer letting go)."""
+    if m.readers:
+        m.reply = None
+        m.drop_owed = True
+    else:
+        _drop(m, ev, core)
     core.engine_idle(m, ev.t_ns)
+
+
+def pay_drop(m: RemoteEngine, core: Core) -> None:
+    """Drop the peer of a connection lost while held (_lost), if that drop is still owed."""
+    if m.drop_owed:
+        m.drop_owed = False
+        core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
 
 
 # --- the table --------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from pdfsm.events import (
     NotificationReceived,
     PeerDisconnected,
     RankInfo,
+    SendFailed,
 )
 from pdfsm.sidechannel import SideChannelHandshaker
 from pdfsm.topology import ReadSource
@@ -219,6 +220,36 @@ def test_producer_tp1_consumer_tp2() -> None:
         assert parts == [0, 1]
     finally:
         close_all([p, *ds])
+
+
+def test_producer_tp2_one_rank_gone_mid_read_the_live_rank_is_told_not_left_to_its_lease() -> None:
+    """tests/test_topology_rank_loss.py's first case over real NIXL: decode TP 1 reads prefill
+    TP 2. Prefill rank 1 shuts down (its agent is destroyed) after the connection is made; the
+    next request's read from it ends DISCONNECTED, so the request fails and its read from the
+    live rank 0 (32 MiB, still moving) is cancelled. Rank 0 must be released by a notification
+    (its own read's, or the failed request's), not pinned for its 120 s lease: the stage's peer
+    is dropped only after the failed request has notified."""
+    net = SimNetwork()
+    ps = engine(net, "P", 2, 64, 256 << 10, fill=True)
+    (d,) = engine(net, "D", 1, 64, 512 << 10, fill=False)
+    try:
+        warm = ps[0].conn.request_finished("w", [0])
+        ps[1].conn.request_finished("w", [0])
+        d.conn.load("dw", [0], warm)
+        run_until([*ps, d], lambda: "dw" in d.recving and all("w" in p.sending for p in ps))
+        blocks = list(range(64))
+        params = ps[0].conn.request_finished("r", blocks)
+        ps[1].conn.request_finished("r", blocks)
+        ps[1].conn.shutdown()
+        time.sleep(0.2)  # the loss reaches the consumer's UCX endpoint
+        d.conn.load("rd", blocks, params)
+        run_until([ps[0], d], lambda: "rd" in d.recving, timeout=20)
+        assert [h.request_id for h in d.conn.last.failed] == ["rd"], "rank 1's read cannot complete"
+        run_until([ps[0], d], lambda: "r" in ps[0].sending, timeout=10)
+        sends = [(e.tp_rank, e.error) for e in d.events(SendFailed) if e.tp_rank == 0]
+        assert not sends, sends
+    finally:
+        close_all([ps[0], d])
 
 
 def test_mla_reads_one_rank_and_notifies_the_other() -> None:

@@ -3,7 +3,6 @@ over the simulated network (deterministic: every step is a call, the clock a cou
 
 from __future__ import annotations
 
-import pytest
 from helpers import RankedEngines
 
 from pdfsm.connector import KVTransferParams
@@ -52,8 +51,6 @@ class World(RankedEngines):
 # --- one producer TP rank lost while its siblings are alive -----------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/decisions.md): a connection per producer stage; a "
-                   "rank lost drops it before a sibling's cancelled read ends")
 def test_decode_tp1_prefill_tp2_one_prefill_rank_lost_mid_read_the_live_rank_is_still_told() -> None:
     """Decode TP 1 reads prefill TP 2 (non-MLA: both ranks, each into its half of every block).
     Prefill rank 1's agent goes away mid-read (a NIC/UCX endpoint error or a crashed worker); its
@@ -62,11 +59,11 @@ def test_decode_tp1_prefill_tp2_one_prefill_rank_lost_mid_read_the_live_rank_is_
     docs/decisions.md ("Failed and aborted consumer requests still notify the producer"): once
     every read has stopped, a failed request sends a notification to each producer rank it did not
     read, so the producer releases at once instead of waiting for its lease. Rank 0 is alive and
-    its read was cancelled: it must be told. pdfsm keys the connection by (engine_id, pp_rank), so
-    the loss of rank 1 drops the peers of *every* TP rank of the stage before the failed request
-    notifies; the notification to rank 0 then fails in the transport ("no peer") and rank 0 pins
-    the request's blocks for the whole lease (100 s here, 120 s by default) - the same pinning
-    decisions.md calls a bug for a PP stage."""
+    its read was cancelled: it must be told. The connection is kept per (engine_id, pp_rank), and
+    the loss of rank 1 ends it; it used to drop the peers of *every* TP rank of the stage at once,
+    before the failed request notified, so the notification to rank 0 failed in the transport ("no
+    peer") and rank 0 pinned the request's blocks for the whole lease (100 s here, 120 s by default).
+    Now the drop waits for the stage's last reader to let go, after it has notified."""
     w = World(p_tp=2, d_tp=1)
     params = w.hold("p1", [3, 4])
     w.net.script("d1", 0, 0, ReadScript(polls=6))  # rank 0's read is still running when rank 1's fails
