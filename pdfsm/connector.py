@@ -179,7 +179,8 @@ def _requested(p: KVTransferParams, request_id: str, t_ns: int, **rest: Any) -> 
     return ReadRequested(source=Source.SCHEDULER, t_ns=t_ns, request_id=request_id,
                          remote_request_id=p.remote_request_id, engine_id=p.remote_engine_id, host=p.remote_host,
                          port=p.remote_port, remote_tp=p.remote_tp_size, remote_pp=p.remote_pp_size,
-                         incarnation=p.remote_incarnation, incarnation_pp=p.remote_incarnation_pp, **rest)
+                         incarnation=p.remote_incarnation, incarnation_pp=p.remote_incarnation_pp,
+                         issued_wall_ns=p.issued_wall_ns, **rest)
 
 
 @contextmanager
@@ -228,7 +229,7 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     for name in ("read_timeout_ns", "lease_ns"):
         _check_int(name, getattr(cfg, name), low=1)
     for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "tombstones", "tombstone_ns",
-                 "idle_engine_ns"):
+                 "idle_engine_ns", "hold_skew_ns"):
         _check_int(name, getattr(cfg, name), low=0)
     for name in ("mla", "supports_pp", "strict"):
         if type(getattr(cfg, name)) is not bool:
@@ -358,7 +359,7 @@ class Connector:
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
                                 remote_host=self.host, remote_port=self.port, remote_block_ids=held.block_ids,
                                 remote_tp_size=cfg.tp_size, remote_pp_size=cfg.pp_size,
-                                lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=self._wall_clock(),
+                                lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=held.issued_wall_ns,
                                 remote_incarnation=self._incarnation, remote_incarnation_pp=cfg.pp_rank)
 
     def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
@@ -372,7 +373,8 @@ class Connector:
         self._check_fresh(rid, PRODUCER)
         now = self._clock()
         deadline = None if lease_ns is None else Deadline(self.config.clock, now + lease_ns)
-        return BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks, deadline=deadline)
+        return BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks, deadline=deadline,
+                          issued_wall_ns=max(self._wall_clock(), 0))
 
     # --- decode side ----------------------------------------------------------------------------
 

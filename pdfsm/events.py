@@ -129,6 +129,10 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     idle_engine_ns: int = 3_600_000_000_000
     tombstones: int = 65536
     tombstone_ns: int = 0  # terminal states remembered this long at most; 0: twice the lease or read timeout
+    # How far apart the wall-clock issue times of one hold on two producer ranks may be (scheduler
+    # step lag and clock skew): a notification further from the hold's is of another hold of the
+    # same request id (docs/decisions.md). 0: not checked.
+    hold_skew_ns: int = 5_000_000_000
     strict: bool = False
 
 
@@ -223,6 +227,7 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     # The PP stage of that rank, whose reply alone can confirm it (None: not said, as in params and
     # logs from before this field: judged against every stage's replies at once).
     incarnation_pp: int | None = None
+    issued_wall_ns: int = 0  # when the params were issued, on the producer's wall clock (0: not said)
 
 
 class EngineReady(_ConsumerEvent, frozen=True):
@@ -317,6 +322,8 @@ class BlocksHeld(_ProducerEvent, frozen=True):
 
     block_ids: tuple[int, ...] = ()
     deadline: Deadline | None = None
+    # The params' issued_wall_ns (this host's wall clock): notifications name the hold by it (0: none).
+    issued_wall_ns: int = 0
 
 
 class NotificationReceived(_ProducerEvent, frozen=True):
@@ -325,6 +332,7 @@ class NotificationReceived(_ProducerEvent, frozen=True):
     part: int
     of: int
     sender: str = ""
+    issued_wall_ns: int = 0  # the hold read, by its params' issue time (0: not said)
 
 
 class Heartbeat(_ProducerEvent, frozen=True):

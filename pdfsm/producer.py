@@ -50,7 +50,7 @@ S = ProducerState
 class ProducerRequest:
     """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
-    __slots__ = ("block_ids", "deadline", "extended_to", "of", "outcome", "parts", "request_id", "state",
+    __slots__ = ("block_ids", "deadline", "extended_to", "issued", "of", "outcome", "parts", "request_id", "state",
                  "t_start")
 
     def __init__(self, request_id: str) -> None:
@@ -65,6 +65,7 @@ class ProducerRequest:
         self.extended_to: int | None = None
         self.outcome = ""
         self.t_start = 0
+        self.issued = 0  # the hold's params' issue time, or the staged notifications' (0: not said)
 
     def __repr__(self) -> str:
         return f"ProducerRequest({self.request_id!r}, {self.state})"
@@ -83,8 +84,27 @@ def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core)
     With ``0 <= part < of`` and the count agreed on, "new and completing" is "every other part
     is in": the parts so far are all of them but this one (none at all when ``of`` is 1).
     """
-    part, of = ev.part, ev.of
-    return 0 <= part < of and m.parts == ((1 << of) - 1) ^ (1 << part) and m.of in (0, of)
+    part, of, issued = ev.part, ev.of, ev.issued_wall_ns
+    return (0 <= part < of and m.parts == ((1 << of) - 1) ^ (1 << part) and m.of in (0, of)
+            and (not issued or not m.issued or abs(issued - m.issued) <= core.config.hold_skew_ns))
+
+
+def _apart(a: int, b: int, core: Core) -> bool:
+    """Issue times ``a`` and ``b`` name two holds of one id (0: not said, never apart)."""
+    skew = core.config.hold_skew_ns
+    return bool(skew and a and b and abs(a - b) > skew)
+
+
+def _of_another_hold(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return _apart(ev.issued_wall_ns, m.issued, core)
+
+
+def _of_a_later_hold(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return m.issued < ev.issued_wall_ns and _apart(ev.issued_wall_ns, m.issued, core)
+
+
+def _staged_for_another_hold(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
+    return m.of > 0 and _apart(ev.issued_wall_ns, m.issued, core)
 
 
 def _on_our_clock(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
@@ -125,6 +145,7 @@ def _only_heartbeats(m: ProducerRequest, ev: object, core: Core) -> bool:
 
 def _hold(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     m.block_ids = ev.block_ids
+    m.issued = ev.issued_wall_ns
     t = m.t_start = ev.t_ns
     deadline = m.deadline = ev.deadline.t_ns if ev.deadline is not None else t + core.config.lease_ns
     core.leases.arm(m.request_id, deadline)
@@ -153,6 +174,13 @@ def _release(m: ProducerRequest, expired: bool, t_ns: int, core: Core) -> None:
     core.finished(m, "expired" if expired else "released", t_ns)
 
 
+def _hold_over_stale(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
+    """The staged notifications were of an earlier hold under this id (a late notice for a hold
+    forgotten since): they do not count toward this one."""
+    m.of = m.parts = 0
+    _hold_staged(m, ev, core)
+
+
 def _hold_and_release(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     _hold_staged(m, ev, core)
     _release(m, False, ev.t_ns, core)
@@ -161,13 +189,25 @@ def _hold_and_release(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
 def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     m.of = ev.of
     m.parts |= 1 << ev.part
+    if not m.issued:  # staged after a heartbeat, or a hold that did not say: the first to say names it
+        m.issued = ev.issued_wall_ns
 
 
 def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    _count(m, ev, core)
+    _count(m, ev, core)  # names the staged hold by this notification's issue time
     m.t_start = ev.t_ns
     m.deadline = ev.t_ns + core.config.lease_ns  # its lease started before it was sent: keep it a lease
     core.stage(m)
+
+
+def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
+    """Staged notices of an earlier hold under this id give way to a later hold's: the later one is
+    the hold the scheduler is about to register (or has, on the minting rank)."""
+    m.of = m.parts = m.issued = 0
+    core.leases.disarm(m.request_id, m.deadline)
+    m.deadline = max(m.deadline, ev.t_ns + core.config.lease_ns)
+    core.leases.arm(m.request_id, m.deadline)
+    _count(m, ev, core)
 
 
 def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
@@ -225,6 +265,8 @@ _bad_part = Illegal(remote, "part out of range", when=_malformed)
 _bad_count = Illegal(remote, "notification parts disagree on how many to expect", when=_disagrees_on_count)
 _dup = Illegal(remote, "duplicate notification for a part already counted", when=_duplicate)
 _reused = Illegal(local, "request id reused after release")
+_other_hold = Illegal(remote, "notification of another hold of this request id (its params were issued at "
+                              "another time): a late notice, not this hold's", when=_of_another_hold)
 
 TABLE: Final[Table] = Table(
     "producer",
@@ -246,10 +288,15 @@ TABLE: Final[Table] = Table(
             S.STAGED,
             BlocksHeld,
             Illegal(local, "deadline is on another clock: rebase it first", when=_foreign_deadline),
+            Go(S.HOLDING, _hold_over_stale, when=_staged_for_another_hold, fault=remote,
+               reason="staged notifications were of an earlier hold of this request id: not counted"),
             Go(S.RELEASED, _hold_and_release, when=_staged_complete),
             Go(S.HOLDING, _hold_staged),
         ),
-        on(S.STAGED, NotificationReceived, _bad_part, _bad_count, _dup, Go(S.STAGED, _count)),
+        on(S.STAGED, NotificationReceived, _bad_part,
+           Go(S.STAGED, _restage, when=_of_a_later_hold, fault=remote,
+              reason="staged notifications were of an earlier hold of this request id: replaced"),
+           _other_hold, _bad_count, _dup, Go(S.STAGED, _count)),
         on(S.STAGED, Heartbeat, Go(S.STAGED, _extend_staged)),
         on(
             S.STAGED,
@@ -267,6 +314,7 @@ TABLE: Final[Table] = Table(
             NotificationReceived,
             Go(S.RELEASED, _count_and_release, when=_completes_cleanly),
             _bad_part,
+            _other_hold,
             _bad_count,
             _dup,
             Go(S.RELEASED, _count_and_release, when=_completes),

@@ -55,6 +55,9 @@ class Notification(msgspec.Struct, frozen=True, gc=False, tag="n", array_like=Tr
     request_id: RequestId
     part: Count  # 0 <= part < of is checked by the producer's table, which attributes it
     of: Count
+    # The params' issued_wall_ns: which hold of ``request_id`` was read (0: not said). Older
+    # producers ignore it (msgspec skips trailing array items a struct does not have).
+    issued_wall_ns: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class HeartbeatMessage(msgspec.Struct, frozen=True, gc=False, tag="h", array_like=True):
@@ -114,6 +117,6 @@ def notification_event(raw: bytes, *, sender: str, source: str, t_ns: int) -> Ev
                           error=str(exc), size=len(raw))
     if isinstance(msg, Notification):
         return NotificationReceived(source=source, t_ns=t_ns, request_id=msg.request_id, part=msg.part,
-                                    of=msg.of, sender=sender)
+                                    of=msg.of, sender=sender, issued_wall_ns=msg.issued_wall_ns)
     return Heartbeat(source=source, t_ns=t_ns, request_id=msg.request_id, extend_ns=msg.extend_ns,
                      sender=sender)

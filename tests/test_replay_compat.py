@@ -150,8 +150,8 @@ def test_a_pp2_log_written_before_incarnation_pp_replays_without_divergence(
     rows = _raw(records)
     for row in rows:
         if row[1][0] == "ReadRequested":
-            row[1][-2] = "inc-s1"  # incarnation, as the params said
-            del row[1][-1]  # no incarnation_pp: that field did not exist
+            row[1][-3] = "inc-s1"  # incarnation, as the params said
+            del row[1][-2:]  # no incarnation_pp, no issued_wall_ns: neither field existed
     log = _write_raw(tmp_path / "decode-pp0-tp0", rows)
     got = read_log(log)[1].event
     assert isinstance(got, ReadRequested) and got.incarnation == "inc-s1" and got.incarnation_pp is None

@@ -228,8 +228,6 @@ def bad_ids(bad: Any) -> tuple[int, ...]:
 # --- 4. a producer request id that comes back, and a stale notification ---------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/decisions.md): a notification names a request id, "
-                   "not one hold of it")
 def test_a_stale_notification_does_not_release_a_new_hold_under_a_reused_request_id() -> None:
     """Client-supplied request ids come back (vLLM's X-Request-Id before its random suffix); pdfsm
     accepts a prefill hold under an id once it has forgotten the last one (docs/embedding.md refuses
@@ -241,10 +239,13 @@ def test_a_stale_notification_does_not_release_a_new_hold_under_a_reused_request
     The prefill scheduler now finishes a new request under the same id ``px`` (other blocks). The
     contract: a hold is reported in ``finished_sending`` when every expected consumer part notified
     (for *this* hold) or when its lease expired. Expected: the new ``px`` stays held until its own
-    reader has read it, and that reader gets the right bytes. pdfsm releases it in the step it is
-    held, from the stale notification; the prefill frees and reuses the blocks at once, and the decode
-    request then reads the reused memory and is reported received with no invalid block."""
-    rig = _Rig(p_cfg={"tombstones": 2, "lease_ns": 8_000}, d_cfg={"tombstones": 2})
+    reader has read it, and that reader gets the right bytes. pdfsm used to release it in the step it
+    was held, from the stale notification (the prefill then freed and reused the blocks, and the
+    decode request read reused memory and was reported received with no invalid block); now the
+    notification names the hold by its params' issue time and the stale one is not counted."""
+    rig = _Rig(p_cfg={"tombstones": 2, "lease_ns": 8_000, "hold_skew_ns": 1_000},  # times scaled down
+               d_cfg={"tombstones": 2})
+    rig.now = 1_000_000  # a wall clock at 0 says nothing of when params were issued
     first = rig.p.request_finished("px", [1, 2])
     rig.net.fault_notification("px", "delay", 40)  # the read's notification is slow on the wire
     rig.d.load("d1", [5, 6], first)

@@ -55,8 +55,8 @@ def deep_notification() -> bytes:
     """A valid Notification (array-like: trailing elements are skipped) plus one trailing element
     nested as deep as the size cap allows."""
     base = notify_codec.encode(Notification("p1", 0, 1))
-    assert base[0] == 0x94  # fixarray of 4: tag, request id, part, of
-    raw = bytes([0x95]) + base[1:]
+    assert base[0] == 0x95  # fixarray of 5: tag, request id, part, of, issued_wall_ns
+    raw = bytes([0x96]) + base[1:]
     raw += b"\x91" * (MAX_NOTIFY_BYTES - len(raw) - 1) + b"\xc0"
     assert len(raw) == MAX_NOTIFY_BYTES
     return raw
@@ -209,7 +209,7 @@ def test_reply_message_round_trip_sanity() -> None:
     body = nested({"type": "handshake", "version": 1, "engine_id": "D", "pp_rank": 0, "nonce": NONCE_A}, 3)
     assert request_codec.decode(body) == HandshakeRequest(version=1, engine_id="D", pp_rank=0, nonce=NONCE_A)
     raw = deep_notification()
-    shallow = raw[:8] + b"\xc0"
+    shallow = raw[:len(notify_codec.encode(Notification("p1", 0, 1)))] + b"\xc0"  # the trailing element: nil
     ev = notification_event(shallow, sender="x", source="notify", t_ns=0)
     assert isinstance(ev, NotificationReceived) and ev.request_id == "p1"
 
