@@ -143,21 +143,24 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     e = core.engines.get((ev.engine_id, 0))
     if e is None or e.state is not CONNECTED:
         return False
-    return e.reply is not None and _contradiction(e, ev, 0) is None
+    return e.reply is not None and _contradiction(e, ev, 0, core.config.hold_skew_ns) is None
 
 
-def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
+def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> str | None:
     """How the request's params contradict one connected engine, if they do: the address it was
     handshaken at (two engines sharing one engine id, as vLLM's data-parallel prefill ranks once
-    did, PR 18903: the engine id check of the handshake passes for both), or its validated reply's
-    TP or PP size, or a block id it does not have. Reading with such params would move another
-    engine's blocks, the wrong slices or the wrong blocks, and notify the wrong ranks."""
+    did, PR 18903: the engine id check of the handshake passes for both), a rank that started after
+    the params were issued, or its validated reply's TP or PP size, or a block id it does not have.
+    Reading with such params would move another engine's blocks, another process's, the wrong
+    slices or the wrong blocks, and notify the wrong ranks."""
     if e.elsewhere(req.host, req.port):
         return (f"the params place {req.engine_id} at {req.host}:{req.port}; pp_rank {pp} was handshaken at "
                 f"{e.host}:{e.port} (two engines share one engine id, or it moved)")
     r = e.reply
     if r is None:
         return None
+    if (late := _started_after(req, r.ranks, skew)) is not None:
+        return late
     if r.tp_size != req.remote_tp or r.pp_size != req.remote_pp:
         return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
                 f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
@@ -166,6 +169,21 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int) -> str | None:
     stage = 0 if req.incarnation_pp is None and req.remote_pp == 1 else req.incarnation_pp
     if req.incarnation and pp == stage and _foreign(req, r.ranks):
         return _restarted(req, f"{req.engine_id} pp_rank {pp}'s ranks")
+    return None
+
+
+def _started_after(req: ReadRequested, ranks: Iterable[RankInfo], skew: int) -> str | None:
+    """A rank whose transport started more than ``skew`` after the params were issued (both on
+    wall clocks) is a process that replaced the one that held them: one TP rank restarted alone
+    keeps the minting rank's incarnation, so only the times tell (docs/decisions.md)."""
+    if not req.issued_wall_ns or not skew:
+        return None
+    for rank in ranks:
+        if rank.started_wall_ns - req.issued_wall_ns > skew:
+            ahead = (rank.started_wall_ns - req.issued_wall_ns) / 1e9
+            return (f"the params were issued {ahead:.3f} s before {req.engine_id} rank (pp {rank.pp_rank}, tp "
+                    f"{rank.tp_rank}) started: that rank restarted since, and the blocks they name are another "
+                    "process's")
     return None
 
 
@@ -188,7 +206,7 @@ def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
     for pp in pps:
         e = core.engines.get((req.engine_id, pp))
         if e is not None and e.state is CONNECTED:
-            why = _contradiction(e, req, pp)
+            why = _contradiction(e, req, pp, core.config.hold_skew_ns)
             if why is not None:
                 found = True
                 yield pp, why
@@ -548,10 +566,13 @@ def _refuse_contradiction(m: ConsumerRequest, ev: ReadRequested, core: Core) -> 
 
 
 def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
-    """Ask to evict every connected engine the request contradicts; returns the first reason."""
+    """Ask to evict every connected engine the request contradicts, but one with a rank younger
+    than the params (they are the stale side); returns the first reason."""
     found = list(contradictions(req, core))
     for pp, _ in found:
-        core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
+        reply = core.engines[(req.engine_id, pp)].reply
+        if reply is None or _started_after(req, reply.ranks, core.config.hold_skew_ns) is None:
+            core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
     return found[0][1] if found else ""
 
 

@@ -131,7 +131,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tombstone_ns: int = 0  # terminal states remembered this long at most; 0: twice the lease or read timeout
     # How far apart the wall-clock issue times of one hold on two producer ranks may be (scheduler
     # step lag and clock skew): a notification further from the hold's is of another hold of the
-    # same request id (docs/decisions.md). 0: not checked.
+    # same request id, and params issued further before a producer rank started are of a process
+    # it replaced (docs/decisions.md). 0: not checked.
     hold_skew_ns: int = 5_000_000_000
     strict: bool = False
 
@@ -374,6 +375,9 @@ class RankInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # Drawn afresh each time the worker's transport starts ("": not said): params minted by a
     # process that has since restarted under the same engine id name none of the new ranks'.
     incarnation: str = ""
+    # When that transport started, on its host's wall clock (0: not said): params issued before
+    # a rank started (beyond CoreConfig.hold_skew_ns) name a hold of the process it replaced.
+    started_wall_ns: int = 0
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -150,6 +150,7 @@ def check_reply(reply: HandshakeReply) -> None:
         rows += [(f"ranks[{i}].pp_rank", r.pp_rank, MAX_RANKS - 1), (f"ranks[{i}].tp_rank", r.tp_rank, MAX_RANKS - 1),
                  (f"len(ranks[{i}].agent)", len(r.agent), MAX_ID_CHARS),
                  (f"len(ranks[{i}].incarnation)", len(r.incarnation), MAX_ID_CHARS),
+                 (f"ranks[{i}].started_wall_ns", r.started_wall_ns, (1 << 63) - 1),
                  (f"len(ranks[{i}].metadata)", len(r.metadata), MAX_METADATA_BYTES)]
     problems = [f"{name} = {value!r}, outside 0..{top}" for name, value, top in rows
                 if type(value) is not int or not 0 <= value <= top]

@@ -22,6 +22,8 @@ from pdfsm.events import (
     HandshakeDone,
     HandshakeFailed,
     HandshakeReply,
+    Heartbeat,
+    NotificationReceived,
     PeerAdded,
     PeerDisconnected,
     RankInfo,
@@ -31,6 +33,7 @@ from pdfsm.log import EventLog
 from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
 LEASE = 120_000_000_000
+RESTART_NS = 20_000_000_000  # a worker process's restart: a new process, NIXL agent and registration
 
 
 def _connect_stage(core: Any, pp: int, incarnation: str, *, t: int = 0) -> None:
@@ -96,10 +99,11 @@ def test_pp_params_minted_by_dead_process_fail_when_every_stage_connects_and_not
 class TPWorld:
     """A TP 2 prefill engine (one Connector per rank, sim transport) and a TP 1 decode worker that
     reads both ranks' whole blocks into halves of its own; one producer rank can be restarted alone
-    (a new agent and transport, the same engine id, rank and listener)."""
+    (a new agent and transport, the same engine id, rank and listener). Every host's wall clock
+    reads ``self.wall`` ns: a restart takes RESTART_NS of it."""
 
-    def __init__(self) -> None:
-        self.net, self.now = SimNetwork(), 0
+    def __init__(self, hold_skew_ns: int = 5_000_000_000) -> None:
+        self.net, self.now, self.wall, self.skew = SimNetwork(), 0, 1_000_000_000_000, hold_skew_ns
         self.prod: dict[int, SimTransport] = {}
         self.p: dict[int, Connector] = {}
         for tp in range(2):
@@ -107,21 +111,26 @@ class TPWorld:
         self.net.serve("127.0.0.1", 9, lambda pp: reply(
             "P", tp_size=2, num_blocks=64, ranks=tuple(self.prod[t].rank_info() for t in range(2))))
         self.cons = SimTransport(self.net, "D-0", block_bytes=128)
-        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h"), self.cons, SimHandshaker(self.net),
-                           clock=self.clock)
+        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", hold_skew_ns=hold_skew_ns), self.cons,
+                           SimHandshaker(self.net), clock=self.clock, wall_clock=self.wall_clock)
 
     def _start(self, tp: int, agent: str) -> None:
-        t = self.prod[tp] = SimTransport(self.net, agent, tp_rank=tp)
+        t = self.prod[tp] = SimTransport(self.net, agent, tp_rank=tp, started_wall_ns=self.wall)
         t.fill(range(64))
-        self.p[tp] = Connector(CoreConfig(engine_id="P", compat_hash="h", tp_size=2, tp_rank=tp, lease_ns=LEASE), t,
-                               SimHandshaker(self.net), clock=self.clock, port=9)
+        cfg = CoreConfig(engine_id="P", compat_hash="h", tp_size=2, tp_rank=tp, lease_ns=LEASE,
+                         hold_skew_ns=self.skew)
+        self.p[tp] = Connector(cfg, t, SimHandshaker(self.net), clock=self.clock, wall_clock=self.wall_clock, port=9)
 
-    def restart(self, tp: int, agent: str) -> None:
+    def restart(self, tp: int, agent: str, took_ns: int = RESTART_NS) -> None:
         self.net.kill(self.prod[tp].agent)
+        self.wall += took_ns
         self._start(tp, agent)
 
     def clock(self) -> int:
         return self.now
+
+    def wall_clock(self) -> int:
+        return self.wall
 
     def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
         """Every producer rank holds the request; the router gets rank 0's params."""
@@ -142,15 +151,27 @@ class TPWorld:
         return recv, failed
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/decisions.md): the params carry one rank's "
-                   "incarnation; a restart of another rank alone is not seen")
 def test_params_minted_before_one_tp_rank_restarted_never_read_the_new_rank_as_received() -> None:
     """smg PR 2492 with TP 2: only producer rank 1's process restarts (same engine id, rank and
     listener). Params minted before (router still holds them, inside their lease) name rank 0's
     incarnation, which the re-handshaken engine still reports: they pass the incarnation check and
     rank 1's slice is read from the new process's blocks 4 and 5, which never held that request,
     and the load is reported received. decisions.md: such params "would read the new process's
-    blocks with those ids ... and report them received" -- exactly what the field is meant to stop."""
+    blocks with those ids ... and report them received" -- exactly what the field is meant to stop.
+    Rank 1's reply says when its transport started, after the params were issued: they fail."""
+    w, stale = _one_rank_restarted()
+    w.d.load("d-stale", [20, 21], stale)
+    recv, failed = w.run(6)
+    half = w.cons.block(20)[64:]
+    got = (recv, [f.request_id for f in failed], half == pattern("P-1-restarted", 4, 64))
+    assert got == ([], ["d-stale"], False), (
+        "params minted before producer rank 1 restarted were read from its successor and reported received")
+    assert "started" in failed[0].reason
+
+
+def _one_rank_restarted() -> tuple[TPWorld, KVTransferParams]:
+    """A TPWorld whose rank 1 restarted after minting the returned params, and the decode worker
+    connected to the new rank 1 (a fresh request read through it)."""
     w = TPWorld()
     w.d.load("d-warm", [1], w.hold("warm", [1]))
     assert w.run()[0] == ["d-warm"]
@@ -161,12 +182,38 @@ def test_params_minted_before_one_tp_rank_restarted_never_read_the_new_rank_as_r
     w.d.load("d2", [12, 13], w.hold("p2", [2, 3]))  # handshaken again: rank 1 is the new process now
     recv, failed = w.run(6)
     assert recv == ["d2"] and not failed
+    return w, stale
+
+
+def test_params_older_than_a_rank_keep_the_engine_tell_nobody_and_send_no_heartbeat() -> None:
+    """The stale params are the stale side, not the fresh reply: the engine stays connected (no
+    second handshake for the requests behind them), neither producer rank is notified (rank 1 never
+    held the request; rank 0's lease frees its hold, as for any contradiction), and a heartbeat
+    built on them is not sent."""
+    w, stale = _one_rank_restarted()
+    engine = w.d.core.engines[("P", 0)]
+    attempt = engine.attempt
+    assert w.d.heartbeat(stale, 1_000_000_000) == 0
     w.d.load("d-stale", [20, 21], stale)
+    w.d.load("d3", [22, 23], w.hold("p3", [6, 7]))
     recv, failed = w.run(6)
-    half = w.cons.block(20)[64:]
-    got = (recv, [f.request_id for f in failed], half == pattern("P-1-restarted", 4, 64))
-    assert got == ([], ["d-stale"], False), (
-        "params minted before producer rank 1 restarted were read from its successor and reported received")
+    assert (recv, [f.request_id for f in failed]) == (["d3"], ["d-stale"])
+    assert w.d.core.engines[("P", 0)] is engine and (engine.state.name, engine.attempt) == ("CONNECTED", attempt)
+    told = [r.event.request_id for c in w.p.values() for r in c.core.log.records()
+            if isinstance(r.event, NotificationReceived | Heartbeat)]
+    assert "p-old" not in told
+
+
+def test_a_rank_started_within_hold_skew_of_the_params_is_trusted() -> None:
+    """Hosts' wall clocks disagree: producer rank 1's clock runs 3 s ahead, so its transport says it
+    started after rank 0 minted the params. Within CoreConfig.hold_skew_ns (5 s) that is skew, not
+    a restart: the load reads both ranks and is received. hold_skew_ns=0 turns the check off."""
+    for skew in (5_000_000_000, 0):
+        w = TPWorld(hold_skew_ns=skew)
+        w.prod[1].started_wall_ns = w.wall + (3_000_000_000 if skew else 600_000_000_000)
+        w.d.load("d1", [10, 11], w.hold("p1", [2, 3]))
+        assert w.run()[0] == ["d1"], skew
+        assert w.cons.block(11)[64:] == pattern("P-1", 3, 64)
 
 
 # --- heartbeats with params of a dead incarnation ----------------------------------------------------

@@ -545,6 +545,9 @@ def test_check_reply_bounds() -> None:
                                    ranks=(RankInfo(pp_rank=0, tp_rank=0, agent="a", metadata=b"x" * (2 << 20)),)))
     with pytest.raises(WireError, match="tp_size"):
         check_reply(HandshakeReply(engine_id="P", compat_hash="h", tp_size=-1))
+    with pytest.raises(WireError, match=r"ranks\[0\]\.started_wall_ns = -1, outside"):
+        check_reply(HandshakeReply(engine_id="P", compat_hash="h", tp_size=1,
+                                   ranks=(RankInfo(pp_rank=0, tp_rank=0, agent="a", started_wall_ns=-1),)))
 
 
 # --- fuzzing the listener -------------------------------------------------------------------------

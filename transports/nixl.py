@@ -82,6 +82,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import ModuleType
@@ -313,7 +314,7 @@ class NixlTransport:
         self._api = import_nixl()
         self._errors = _error_types(self._api)
         self.agent_name = agent_name
-        self.incarnation = new_incarnation()
+        self.incarnation, self.started_wall_ns = new_incarnation(), time.time_ns()
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.xfer_mode, self.cancel_policy = xfer_mode, cancel_policy
         if pp_rank > 0 and not supports_pp:
@@ -364,7 +365,7 @@ class NixlTransport:
     def rank_info(self) -> RankInfo:
         """Thread-safe: no NIXL call (the blob was built at construction)."""
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=self._metadata,
-                        incarnation=self.incarnation)
+                        incarnation=self.incarnation, started_wall_ns=self.started_wall_ns)
 
     # --- peers ----------------------------------------------------------------------------------
 

@@ -144,6 +144,7 @@ class SimTransport:
         num_blocks: int = 64,
         block_bytes: int = 64,
         supports_pp: bool = True,
+        started_wall_ns: int = 0,
     ) -> None:
         if agent in network.agents:
             raise ValueError(f"agent {agent!r} already exists")
@@ -152,6 +153,7 @@ class SimTransport:
         self.network, self.agent = network, agent
         network.started += 1
         self.incarnation = f"sim-{network.started}"
+        self.started_wall_ns = started_wall_ns  # deterministic: the test says when (0: not said)
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.capabilities = Capabilities(name="sim", supports_pp=supports_pp, memory_kinds=frozenset({"DRAM"}))
@@ -187,7 +189,7 @@ class SimTransport:
     def rank_info(self) -> RankInfo:
         layout = msgspec.msgpack.encode(_Layout(self.num_blocks, self.block_bytes))
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent, metadata=layout,
-                        incarnation=self.incarnation)
+                        incarnation=self.incarnation, started_wall_ns=self.started_wall_ns)
 
     def add_peer(self, key: EngineKey, reply: HandshakeReply, attempt: int = 0) -> None:
         refuse_pp(self.capabilities, self.agent, key[1])

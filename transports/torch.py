@@ -45,6 +45,7 @@ by locks, inboxes are deques (atomic append/popleft).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -178,7 +179,7 @@ class TorchTransport:
         if pp_rank > 0 and not supports_pp:
             raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
         self.network, self.agent_name = network, agent_name
-        self.incarnation = new_incarnation()
+        self.incarnation, self.started_wall_ns = new_incarnation(), time.time_ns()
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.latency_s, self.chunk_bytes = latency_s, chunk_bytes
         self.tensors = list(kv_caches)
@@ -223,7 +224,7 @@ class TorchTransport:
         meta = msgspec.msgpack.encode(TorchRankMetadata(tuple(
             (r.stride, r.num_blocks, x) for r, x in zip(self.regions, self.layers, strict=True))))
         return RankInfo(pp_rank=self.pp_rank, tp_rank=self.tp_rank, agent=self.agent_name, metadata=meta,
-                        incarnation=self.incarnation)
+                        incarnation=self.incarnation, started_wall_ns=self.started_wall_ns)
 
     # --- peers ------------------------------------------------------------------------------------
 
