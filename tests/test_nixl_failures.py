@@ -318,6 +318,8 @@ def test_connector_producer_restarted_under_the_same_agent_name_while_idle(produ
         p1.kill()
         p2 = Producer(agent, seed=9, sidechannel=True)
         producers.append(p2)
+        # each process's rank says when its transport started: what judges params of the first
+        assert 0 < p1.info.started_wall_ns < p2.info.started_wall_ns <= time.time_ns()
         want = expected(9, 2, 64, 4096)
         for i in range(2):
             for t in d.kv:
