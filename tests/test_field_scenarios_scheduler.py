@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import reply
+from helpers import LeaseWorld, reply
 
 from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
@@ -531,3 +531,22 @@ def test_a_lease_older_than_the_clock_reading_is_not_restarted_at_zero(how: str)
     assert rig.invalid[0]["d1"] == {5, 6}, (
         f"a read completing ~30 us after the load was trusted (trust bound {m.trust if m else '?'} ns, "
         f"the producer's lease ended at 11000 ns)")
+
+
+def test_vllm_pr_50558_one_more_decode_block_than_the_producer_holds_is_refused_then_trimmed() -> None:
+    """vLLM PR 50558: a proxy appends the first sampled token to the decode prompt; when the
+    prefill prompt filled its last block exactly, the decode worker allocates one block more than
+    the producer holds, and vLLM's assertion crashed the request. pdfsm refuses the load at once
+    (InvalidInput naming local_block_ids; nothing accepted, so the same params load afterwards);
+    the embedder passes the first len(remote_block_ids) local blocks (docs/embedding.md), the
+    last one is computed locally, and the read pairs block for block."""
+    w = LeaseWorld()
+    w.connect()
+    params = w.p.request_finished("p1", [4, 5, 6])
+    with pytest.raises(InvalidInput) as err:
+        w.d.load("d1", [10, 11, 12, 13], params)
+    assert err.value.field == "local_block_ids" and "4 local blocks for 3 remote" in str(err.value)
+    w.d.load("d1", [10, 11, 12], params)
+    w.run(3)
+    assert (w.received, w.released, w.failed) == (["d1"], ["p1"], {})
+    assert w.read_bytes_ok([10, 11, 12], [4, 5, 6])
