@@ -145,7 +145,8 @@ def test_notify_only_loads_are_never_reported_even_when_they_fail_or_are_aborted
     and frees the request at once; a full prefix hit loads no block either. Such a request must
     never appear in ``finished_recving`` (``assert req_id in self.requests``) nor have blocks in
     the error set, whatever becomes of it: here one whose producer address refuses handshakes,
-    and one aborted too."""
+    and one aborted too (vLLM PR 57570; docs/embedding.md tells the scheduler not to wait for
+    such a request, the hang of vLLM PR 56640)."""
     w = _Pair()
     params = w.p.request_finished("p1", [1])
     nowhere = msgspec.structs.replace(params, remote_engine_id="X", remote_port=77, remote_request_id="x1")
