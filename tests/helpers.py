@@ -105,6 +105,16 @@ def run_cli_captured(capsys: Any, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def write_worker_log(directory: Path, records: Any) -> Path:
+    """A worker's log directory holding ``records`` (log records, in order) as its one segment."""
+    from pdfsm.filelog import segment_name, write_segment
+
+    directory.mkdir()
+    write_segment(directory / segment_name(0), [r.row() for r in records], salt=bytes(8), meta={}, wall_ns=0,
+                  mono_ns=0)
+    return directory
+
+
 def stop_while_handshaking(core: Core, how: str) -> list[Any]:
     """Stop request "r", waiting on PP stage 1 of engine P: that stage's handshake fails
     (``how`` ends with "handshake-fails"), an abort, or its deadline (a Tick at 2 us); the

@@ -28,6 +28,7 @@ from helpers import (
     reply,
     run_cli_captured,
     tick,
+    write_worker_log,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -50,7 +51,7 @@ from pdfsm.events import (
     Source,
     Tick,
 )
-from pdfsm.filelog import encode_frame, encode_header, read_log, segment_name, write_segment
+from pdfsm.filelog import encode_frame, encode_header, read_log, segment_name
 from pdfsm.log import MemorySink, Record
 from pdfsm.replay import replay
 from pdfsm.testing import explore
@@ -586,10 +587,7 @@ def test_a_log_with_idle_evictions_replays_without_divergence(tmp_path: Path,
     assert len(idle_evictions(sink.records)) == 2
     rebuilt = replay(sink.records)
     assert rebuilt.engines == {} and rebuilt.engines_forgotten == 2
-    log = tmp_path / "decode-pp0-tp0"
-    log.mkdir()
-    write_segment(log / segment_name(0), [r.row() for r in sink.records], salt=bytes(8), meta={}, wall_ns=0,
-                  mono_ns=0)
+    log = write_worker_log(tmp_path / "decode-pp0-tp0", sink.records)
     code, out, err = run_cli_captured(capsys, "replay", str(log), "--timelines", "0")
     assert code == 0 and "replayed, no divergence" in out, out + err
 

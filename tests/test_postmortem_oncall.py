@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers import run_cli, run_cli_captured
+from helpers import run_cli, run_cli_captured, write_worker_log
 
 from pdfsm import filelog
 from pdfsm.filelog import FLAG_GAP, encode_frame, encode_header, read_log, segment_name, write_segment
@@ -225,10 +225,7 @@ def test_a_log_cut_after_a_root_event_says_what_replay_recomputed_past_its_end(
     records = read_log(demo / "prefill-tp0")
     last = records[-1]
     assert type(last.event).__name__ == "LeaseExpired" and last.cause == records[-2].seq  # Tick -> LeaseExpired
-    log = tmp_path / "prefill-tp0"
-    log.mkdir()
-    write_segment(log / segment_name(0), [r.row() for r in records[:-1]], salt=bytes(8), meta={}, wall_ns=0,
-                  mono_ns=0)
+    log = write_worker_log(tmp_path / "prefill-tp0", records[:-1])
     code, out, err = _run(capsys, "replay", str(log), "--timelines", "0")
     assert code == 0
     said = "LeaseExpired" in out + err or f"seq {last.seq}" in out + err

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import run_cli_captured
+from helpers import run_cli_captured, write_worker_log
 
 from pdfsm import consumer
 from pdfsm.core import Core, Tables
@@ -189,10 +189,7 @@ def test_a_log_written_by_the_table_before_drop_lease_over_when_ready_replays(
     core = _core(sink, tables)
     _contradicted_notify_only_ready_late(core)
     assert sink.records[-1].fault is not None and "TP 2" in sink.records[-1].reason
-    log = tmp_path / "decode-pp0-tp0"
-    log.mkdir()
-    write_segment(log / segment_name(0), [r.row() for r in sink.records], salt=bytes(8), meta={}, wall_ns=0,
-                  mono_ns=0)
+    log = write_worker_log(tmp_path / "decode-pp0-tp0", sink.records)
     code, out, err = run_cli_captured(capsys, "replay", str(log), "--timelines", "0")
     assert code == 0 and "replayed, no divergence" in out, out + err
 
