@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from pdfsm.events import HandshakeDone, HandshakeFailed
-from pdfsm.testing import FAULTS, Scenario, World, hunt
+from pdfsm.testing import FAULTS, Scenario, Variant, World, hunt
 from pdfsm.testing.coverage import explore_options
 from pdfsm.testing.explore import replay_choices
 from pdfsm.testing.invariants import EXTRA_INVARIANTS
@@ -199,6 +199,21 @@ def test_a_pp_link_drop_reaches_the_consumers_rewatch_of_a_lost_engine() -> None
                            300)  # first reached within 200 examples
     rewatch = ("consumer", "HANDSHAKING", "EngineReady", "-> HANDSHAKING (rewatch lost) when held engine lost")
     assert rewatch in hits
+
+
+def test_a_producer_rank_restarted_alone_is_never_read_as_the_hold_it_replaced() -> None:
+    """Opt-in fault rank-restart: one producer rank's process comes back under the same agent name
+    and listener with another process's memory. Ranks say when they started, so params issued
+    before fail and nothing read from the successor is reported received (every fault kind, TP 2
+    on both sides). The same world with replies that do not say it (older producers, quirk
+    no-start-times) is caught reading the successor's blocks, in two chosen steps."""
+    scenario = Scenario(requests=2, producer_tp=2, consumer_tp=2, faults=FAULTS | {"rank-restart"})
+    clean = hunt(scenario, max_examples=150)
+    assert not clean.found, clean.message
+    unsaid = Variant(id="start times unsaid", quirks=frozenset({"no-start-times"}))
+    found = hunt(scenario, unsaid, max_examples=300)
+    assert found.found and found.steps <= 3, found.message
+    assert "the bytes are not the request's" in found.message and "restarts" in found.message
 
 
 # --- clean searches: shapes the default scenarios do not cover ------------------------------------

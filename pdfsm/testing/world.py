@@ -95,8 +95,12 @@ FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "h
                     "handshake-timeout", "peer-refused", "notify-drop", "notify-duplicate", "forge", "heartbeat"})
 # Opt-in faults: not in a Scenario's default ``faults`` (FAULTS), so the default scenarios, the mutant
 # suite and their derandomized searches stay as they were; name them in ``Scenario.faults`` to use them.
-EXTRA_FAULTS = frozenset({"link-drop", "post-refuse"})
+EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart"})
 COMPAT = "race-model-v1"
+# With "rank-restart", wall-clock times are said: params their issue time, ranks their start time.
+# A worker's restart takes RESTART_NS, more than the cores' HOLD_SKEW_NS: any params issued before
+# it are older than the new rank by more than the skew.
+WALL0, HOLD_SKEW_NS, RESTART_NS = 1_000_000, 5, 10
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,7 +143,8 @@ class Variant:
     ``quirks`` change the simulated adapter: ``poll-errors-escape`` (a poll that raises is not
     turned into a failed handle), ``add-peer-off-owner`` (the handshake thread adds the peer),
     ``notify-on-post`` (the notification is sent when the read is posted, not when it
-    completes), ``no-rebase`` (scheduler deadlines are passed on as they are).
+    completes), ``no-rebase`` (scheduler deadlines are passed on as they are),
+    ``no-start-times`` (handshake replies do not say when each rank started, as older producers').
     """
 
     id: str = "pdfsm"
@@ -198,15 +203,23 @@ class World:
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
                                 read_timeout_ns=s.read_timeout_ns, lease_margin_ns=s.lease_margin_ns,
                                 handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged,
-                                tombstone_ns=s.tombstone_ns, idle_engine_ns=s.idle_engine_ns, **cfg)
+                                tombstone_ns=s.tombstone_ns, idle_engine_ns=s.idle_engine_ns,
+                                hold_skew_ns=HOLD_SKEW_NS, **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
                         logger=_QUIET)
 
+        def producer(pp: int, tp: int) -> Core:
+            return core(f"P{pp}.{tp}", engine_id="P", tp_rank=tp, tp_size=s.producer_tp, pp_rank=pp,
+                        pp_size=s.producer_pp)
+
+        self._producer = producer
         self.consumers = [core(f"D{r}", engine_id="D", tp_rank=r, tp_size=s.consumer_tp, supports_pp=s.supports_pp)
                           for r in range(s.consumer_tp)]
-        self.producers = {(pp, tp): core(f"P{pp}.{tp}", engine_id="P", tp_rank=tp, tp_size=s.producer_tp,
-                                         pp_rank=pp, pp_size=s.producer_pp)
-                          for pp in range(s.producer_pp) for tp in range(s.producer_tp)}
+        self.producers = {(pp, tp): producer(pp, tp) for pp in range(s.producer_pp) for tp in range(s.producer_tp)}
+        self.walls = "rank-restart" in s.faults  # params and ranks say their wall-clock times
+        self.started = dict.fromkeys(self.producers, 0)  # each producer rank's start, on the world's clock
+        self.finished_at: dict[int, int] = {}  # when each request's prefill ended (its params' issue)
+        self.restarts = 0
         self.sources: dict[str, deque[tuple[str, Any]]] = {}
         # ground truth
         self.blocks = {i: tuple(range(i * s.blocks, (i + 1) * s.blocks)) if i not in s.notify_only else ()
@@ -295,6 +308,10 @@ class World:
                 if (rank, engine, pp) not in self.dead:
                     out.append(Choice(f"fault: D{rank} loses its connection to ({engine}, pp {pp})",
                                       frozenset({"engine"}), partial(self._link_drop, rank, engine, pp)))
+        if "rank-restart" in faults and not self.restarts and self.finished_at:
+            for pp, tp in sorted(self.producers):
+                out.append(Choice(f"fault: producer rank (pp {pp}, tp {tp}) restarts", frozenset({"engine", "time"}),
+                                  partial(self._restart, pp, tp)))
         if "post-refuse" in faults and self.post_refusals < 2:
             for rank in range(self.s.consumer_tp):
                 if rank not in self.refuse_post:
@@ -438,7 +455,7 @@ class World:
             ev = self._ev(BlocksHeld, request_id=self.prid(i), block_ids=self._p_blocks(i), deadline=deadline)
             self.lease_from[(agent, self.prid(i))] = self.now  # the lease runs from the end of prefill
             self._push(f"prefill-worker {agent}", ("register", (f"P{pp}.{tp}", agent, i, ev)))
-        self.lease_seen[i] = self.now
+        self.lease_seen[i] = self.finished_at[i] = self.now
         for rank in range(s.consumer_tp):
             self._push(f"decode-scheduler D{rank}", ("read-request", (rank, i)))
 
@@ -449,7 +466,8 @@ class World:
         ev = self._ev(ReadRequested, request_id=self.crid(i), remote_request_id=self.prid(i), engine_id="P",
                       host="prefill", port=1, remote_tp=s.producer_tp, remote_pp=s.producer_pp,
                       local_blocks=self.blocks[i], remote_blocks=self._p_blocks(i) if self.blocks[i] else (),
-                      lease_ns=s.lease_ns, lease_start_ns=self.lease_seen[i])
+                      lease_ns=s.lease_ns, lease_start_ns=self.lease_seen[i],
+                      issued_wall_ns=WALL0 + self.finished_at[i] if self.walls else 0)
         self.requested.add((rank, ev.request_id))
         self._deliver_source(source, f"D{rank}", ev)
 
@@ -515,6 +533,9 @@ class World:
         stays up (a new handshake reaches it). Reads on that connection end DISCONNECTED, sends on it
         fail, and the transport reports the engine gone once, later (it submits to the inbox)."""
         self.link_drops += 1
+        self._drop_link(rank, engine, pp)
+
+    def _drop_link(self, rank: int, engine: str, pp: int) -> None:
         self.dead.add((rank, engine, pp))
         for (r, _, p, _), read in self.reads.items():
             if r == rank and p == pp and read.cmd.engine_id == engine:
@@ -532,6 +553,34 @@ class World:
                                             attempt=attempt))
         finally:
             self.reporting_disconnect = False
+
+    def _restart(self, pp: int, tp: int) -> None:
+        """One producer rank's process dies and comes back under the same agent name and listener
+        (RESTART_NS later): its holds are gone, its memory is another process's (every block's
+        version moves on), what was on its way to it is lost, and every consumer connection to
+        its stage drops (the transport reports it, later)."""
+        self.restarts += 1
+        self._tick(RESTART_NS)
+        name, agent = f"P{pp}.{tp}", self.agent("P", pp, tp)
+        self.producers[(pp, tp)].log.flush()
+        self.sinks[f"{name}-before-restart"] = self.sinks.pop(name)
+        self.producers[(pp, tp)] = self._producer(pp, tp)
+        self.started[(pp, tp)] = self.now
+        self.sources.pop(f"prefill-worker {agent}", None)  # holds it never registered
+        for source in [k for k, q in self.sources.items() if k.startswith("notify ") and k.endswith(f" {name}")]:
+            self.sources.pop(source)
+        for key in [k for k in self.registered if k[0] == agent]:
+            del self.registered[key]
+        for key in [k for k in self.delivered if k[0] == name]:
+            del self.delivered[key]
+        for b in range(self.s.requests * self.s.blocks):
+            self.version[(agent, b)] = self.version.get((agent, b), 0) + 1
+        for read in self.reads.values():
+            if read.agent == agent:  # whatever became of its connection, the process it read from is gone
+                read.lost = True
+        for rank, engine, p in sorted(self.peers):
+            if engine == "P" and p == pp and (rank, engine, p) not in self.dead:
+                self._drop_link(rank, engine, p)
 
     def _arm_post_refusal(self, rank: int) -> None:
         self.post_refusals += 1
@@ -556,7 +605,9 @@ class World:
             self._push(f"late handshake D{rank} {cmd.pp_rank}", ("late-reply", (rank, cmd)))
         else:
             engine = "Q" if how == "wrong" else "P"
-            ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t))
+            said = self.walls and "no-start-times" not in self.variant.quirks
+            ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t),
+                                   started_wall_ns=WALL0 + self.started[(cmd.pp_rank, t)] if said else 0)
                           for t in range(self.s.producer_tp))
             reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
                                    pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks)
