@@ -54,7 +54,8 @@ def make_reply(pp_rank: int, *, engine_id: str = "P", compat: str = "h", tp: int
     return HandshakeReply(
         engine_id=engine_id, compat_hash=compat, tp_size=tp, pp_size=2, block_size=16, num_blocks=64,
         ranks=tuple(RankInfo(pp_rank=pp_rank, tp_rank=t, agent=f"{engine_id}-{pp_rank}-{t}",
-                             metadata=bytes([t, pp_rank]) * 300) for t in range(tp)),
+                             metadata=bytes([t, pp_rank]) * 300, incarnation=f"inc-{pp_rank}-{t}",
+                             started_wall_ns=1_790_000_000_000_000_000 + t) for t in range(tp)),
     )
 
 
