@@ -216,6 +216,21 @@ def test_a_rank_started_within_hold_skew_of_the_params_is_trusted() -> None:
         assert w.cons.block(11)[64:] == pattern("P-1", 3, 64)
 
 
+def test_a_rank_clock_far_ahead_fails_only_params_issued_just_after_it_started() -> None:
+    """Producer rank 1's host clock runs 10 s ahead: params rank 0 issues 2 s after the engine
+    started look 8 s older than rank 1 and fail; params issued 20 s after are trusted. A start
+    time is fixed while issue times move on, so skew past the bound costs only the first moments."""
+    w = TPWorld()
+    w.prod[1].started_wall_ns = w.wall + 10_000_000_000
+    w.wall += 2_000_000_000
+    w.d.load("early", [10, 11], w.hold("p-early", [2, 3]))
+    recv, failed = w.run()
+    assert (recv, [f.request_id for f in failed]) == ([], ["early"]) and "started" in failed[0].reason
+    w.wall += 18_000_000_000
+    w.d.load("later", [12, 13], w.hold("p-later", [4, 5]))
+    assert w.run()[0] == ["later"]
+
+
 # --- heartbeats with params of a dead incarnation ----------------------------------------------------
 
 
