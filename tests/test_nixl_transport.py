@@ -252,6 +252,48 @@ def test_producer_tp2_one_rank_gone_mid_read_the_live_rank_is_told_not_left_to_i
         close_all([ps[0], d])
 
 
+def test_producer_tp2_rank_restarted_alone_fresh_params_read_it_stale_ones_fail_unread() -> None:
+    """smg PR 2492 with one TP rank: prefill rank 1's agent is destroyed and a new one (another
+    name, other bytes) takes its place at the same listener, rank 0 living on. Params minted
+    before (the router held them 30 s: they were issued 30 s before the new rank started) name
+    rank 0's unchanged incarnation; the new rank's handshake entry says when its transport
+    started, so they fail before any read, and nothing of the successor's memory is loaded.
+    The first fresh request meets the cached reply and fails (the old agent is gone); the next,
+    handshaken again, reads the new rank's bytes."""
+    net = SimNetwork()
+    ps = engine(net, "P", 2, 16, 4096, fill=True)
+    (d,) = engine(net, "D", 1, 16, 8192, fill=False)
+    net.serve("P-host", 1, lambda pp: HandshakeReply(engine_id="P", compat_hash="", tp_size=2, num_blocks=16,
+                                                      ranks=tuple(rk.transport.rank_info() for rk in ps)))
+    try:
+        def hold(rid: str, blocks: list[int]) -> KVTransferParams:
+            params = ps[0].conn.request_finished(rid, blocks)
+            ps[1].conn.request_finished(rid, blocks)
+            return params
+
+        d.conn.load("dw", [0], hold("w", [0]))
+        run_until([*ps, d], lambda: "dw" in d.recving and all("w" in p.sending for p in ps))
+        stale = hold("old", [4, 5])
+        stale = msgspec.structs.replace(stale, issued_wall_ns=stale.issued_wall_ns - 30_000_000_000)
+        ps[1].conn.shutdown()
+        ps[1] = Rank("P", net, 1, 2, random_kv(2, 16, 4096, 999), host="P-host")
+        time.sleep(0.2)  # the loss reaches the consumer's UCX endpoint
+        d.conn.load("d1", [2, 3], hold("new1", [2, 3]))
+        run_until([*ps, d], lambda: "d1" in d.recving, timeout=20)
+        d.conn.load("d2", [6, 7], hold("new2", [6, 7]))
+        run_until([*ps, d], lambda: "d2" in d.recving, timeout=20)
+        assert not d.conn.last.failed, d.conn.last.failed
+        for k in range(2):
+            assert torch.equal(d.kv[k][[6, 7], 4096:], ps[1].kv[k][[6, 7]])  # the new rank's bytes
+        d.conn.load("d-stale", [8, 9], stale)
+        run_until([*ps, d], lambda: "d-stale" in d.recving, timeout=20)
+        (off,) = d.conn.last.failed
+        assert off.request_id == "d-stale" and "started" in off.reason, off
+        assert all(not d.kv[k][[8, 9]].any() for k in range(2)), "the successor's memory was loaded"
+    finally:
+        close_all([*ps, d])
+
+
 def test_mla_reads_one_rank_and_notifies_the_other() -> None:
     net = SimNetwork()
     ps = engine(net, "P", 2, 16, 256, fill=True, mla=True)
