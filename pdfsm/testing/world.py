@@ -567,7 +567,7 @@ class World:
         self.producers[(pp, tp)] = self._producer(pp, tp)
         self.started[(pp, tp)] = self.now
         self.sources.pop(f"prefill-worker {agent}", None)  # holds it never registered
-        for source in [k for k, q in self.sources.items() if k.startswith("notify ") and k.endswith(f" {name}")]:
+        for source in [k for k in self.sources if k.startswith("notify ") and k.endswith(f" {name}")]:
             self.sources.pop(source)
         for key in [k for k in self.registered if k[0] == agent]:
             del self.registered[key]
