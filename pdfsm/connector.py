@@ -160,6 +160,10 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
     # CLOCK_MONOTONIC) still counts the lease right. The worker passes ``now - age`` as ``load``'s
     # ``lease_start_ns``; missing means now.
     lease_ages: dict[str, int] = {}
+    # When the scheduler decided each hold of reqs_to_send, on its wall clock (ns): one stamp that
+    # every rank's hold and the params share, so notifications name their hold exactly whatever
+    # the ranks' clocks say. Missing: each worker stamps its own (within CoreConfig.hold_skew_ns).
+    hold_issued: dict[str, int] = {}
 
 
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -342,7 +346,8 @@ class Connector:
 
     @_one_caller
     def request_finished(
-        self, request_id: str, block_ids: Sequence[int], *, lease_ns: int | None = None
+        self, request_id: str, block_ids: Sequence[int], *, lease_ns: int | None = None,
+        issued_wall_ns: int | None = None,
     ) -> KVTransferParams:
         """The request finished prefill: hold its blocks for the consumer, under a lease.
 
@@ -351,9 +356,14 @@ class Connector:
         rank has read them, or once the lease expired. An id already held (or held and
         finished, while remembered) is refused: one hold per request, and so is a hold of no
         blocks (vLLM frees such a request at once and never waits for it to be sent).
+
+        ``issued_wall_ns``: when the hold was decided, on a wall clock, the same value on every
+        rank (the scheduler's stamp, say); notifications name the hold by it. The default, this
+        host's wall clock now, ties the ranks' holds together only within
+        ``CoreConfig.hold_skew_ns``, so ranks on hosts whose clocks differ by more should share one.
         """
         self._open()
-        held = self._blocks_held(request_id, block_ids, lease_ns)
+        held = self._blocks_held(request_id, block_ids, lease_ns, issued_wall_ns)
         self._submit_hold(held)
         cfg = self.config
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
@@ -362,7 +372,8 @@ class Connector:
                                 lease_ns=lease_ns or cfg.lease_ns, issued_wall_ns=held.issued_wall_ns,
                                 remote_incarnation=self._incarnation, remote_incarnation_pp=cfg.pp_rank)
 
-    def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None) -> BlocksHeld:
+    def _blocks_held(self, request_id: str, block_ids: Sequence[int], lease_ns: int | None,
+                     issued_wall_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
         blocks = _check_blocks("block_ids", block_ids)
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
@@ -370,11 +381,14 @@ class Connector:
                                             "and has no params to give")
         if lease_ns is not None:
             _check_int("lease_ns", lease_ns, low=1)
+        if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
+            _check_int("issued_wall_ns", issued_wall_ns, low=1)
         self._check_fresh(rid, PRODUCER)
         now = self._clock()
         deadline = None if lease_ns is None else Deadline(self.config.clock, now + lease_ns)
+        issued = max(self._wall_clock(), 0) if issued_wall_ns is None else issued_wall_ns
         return BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks, deadline=deadline,
-                          issued_wall_ns=max(self._wall_clock(), 0))
+                          issued_wall_ns=issued)
 
     # --- decode side ----------------------------------------------------------------------------
 
@@ -493,15 +507,16 @@ class Connector:
         if not isinstance(metadata, ConnectorMetadata):
             raise InvalidInput("metadata", f"must be a ConnectorMetadata, got {type(metadata).__name__}")
         for name, kinds in (("reqs_to_recv", Mapping), ("reqs_to_send", Mapping), ("aborted", (tuple, list)),
-                            ("lease_ages", Mapping)):
+                            ("lease_ages", Mapping), ("hold_issued", Mapping)):
             value = getattr(metadata, name)
             if not isinstance(value, kinds):
                 raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
                                          f"got {type(value).__name__}")
         loads: list[tuple[ReadRequested, _Minting]] = []
-        if not set(metadata.lease_ages) <= set(metadata.reqs_to_recv):
-            stray = sorted(set(metadata.lease_ages) - set(metadata.reqs_to_recv), key=str)
-            raise InvalidInput("lease_ages", f"{stray!r} not in reqs_to_recv")
+        for extra, of in (("lease_ages", "reqs_to_recv"), ("hold_issued", "reqs_to_send")):
+            stray = sorted(set(getattr(metadata, extra)) - set(getattr(metadata, of)), key=str)
+            if stray:
+                raise InvalidInput(extra, f"{stray!r} not in {of}")
         now = self._clock()
         for rid, entry in metadata.reqs_to_recv.items():
             age = metadata.lease_ages.get(rid)
@@ -515,8 +530,12 @@ class Connector:
                 loads.append(self._read_requested(rid, entry[0], entry[1], start))
         holds: list[BlocksHeld] = []
         for rid, blocks in metadata.reqs_to_send.items():
+            issued = metadata.hold_issued.get(rid)
+            if issued is not None:
+                with _naming("hold_issued", rid):
+                    _check_int("issued_wall_ns", issued, low=1)
             with _naming("reqs_to_send", rid):
-                holds.append(self._blocks_held(rid, blocks, None))
+                holds.append(self._blocks_held(rid, blocks, None, issued))
         aborted = [_check_id("aborted", rid) for rid in metadata.aborted]
         params: dict[_Minting, str] = {}
         writers: dict[int, str] = {}

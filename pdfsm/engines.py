@@ -200,12 +200,13 @@ class Engine:
         a = self.args
         index = torch.tensor(blocks, device=a.kv_device)
         params = None
+        issued = time.time_ns()  # one stamp for every rank's hold: notifications name it exactly
         for w in self.workers:
             for k, layer in enumerate(w.layers):
                 full = request_bytes(op.seed, layer, op.blocks, 1 if a.mla else a.heads, a.head_bytes)
                 mine = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
                 w.kv[k].index_copy_(0, index, mine.to(a.kv_device))
-            params = w.conn.request_finished(op.rid, blocks)
+            params = w.conn.request_finished(op.rid, blocks, issued_wall_ns=issued)
         if a.kv_device != "cpu":
             torch.cuda.synchronize()  # the copies are asynchronous; a READ must find them done
         for w in self.workers:  # write-ahead: the hold is in the log before its params leave us

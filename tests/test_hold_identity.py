@@ -4,15 +4,20 @@ not count toward the new one, and every rank's early notices for the hold still 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-from helpers import ev, make_core
+import pytest
+from helpers import ev, make_core, reply
 
 from pdfsm.commands import FinishedSending
+from pdfsm.connector import Connector, ConnectorMetadata
 from pdfsm.core import Core
-from pdfsm.events import BlocksHeld, NotificationReceived
+from pdfsm.errors import InvalidInput
+from pdfsm.events import BlocksHeld, CoreConfig, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.wire import Notification, notification_event, notify_codec
+from transports.sim import SimHandshaker, SimNetwork, SimTransport
 
 S = 1_000_000_000  # one second, in ns
 OLD, NEW = 1_000 * S, 1_300 * S  # wall-clock issue times of two holds of one id, a lease apart and more
@@ -94,3 +99,83 @@ def test_the_wire_carries_the_issue_time_and_older_notifications_still_decode() 
     older = b"\x94\xa1n\xa2px\x00\x01"  # ["n", "px", 0, 1]: a consumer from before the field
     got = notification_event(older, sender="D-0", source="notify", t_ns=5)
     assert isinstance(got, NotificationReceived) and got.issued_wall_ns == 0 and got.part == 0
+
+
+# --- one stamp for every rank (Connector.request_finished / ConnectorMetadata.hold_issued) --------------
+
+
+class SkewedTP2:
+    """A TP 2 prefill engine whose rank 1 runs on a host with its wall clock 10 s ahead, and a TP 1
+    decode worker reading both ranks (sim transport)."""
+
+    def __init__(self) -> None:
+        self.net, self.now, self.wall = SimNetwork(), 0, 1_000 * S
+        self.pt = [SimTransport(self.net, f"P-{t}", tp_rank=t) for t in range(2)]
+        for t in self.pt:
+            t.fill(range(64))
+        self.p = [Connector(CoreConfig(engine_id="P", compat_hash="h", tp_size=2, tp_rank=t, lease_ns=600 * S),
+                            self.pt[t], SimHandshaker(self.net), clock=lambda: self.now,
+                            wall_clock=partial(self.wall_of, t), port=9) for t in range(2)]
+        self.net.serve("127.0.0.1", 9, lambda pp: reply(
+            "P", tp_size=2, num_blocks=64, ranks=tuple(t.rank_info() for t in self.pt)))
+        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(self.net, "D-0", block_bytes=128),
+                           SimHandshaker(self.net), clock=lambda: self.now, wall_clock=lambda: self.wall)
+
+    def wall_of(self, tp_rank: int) -> int:
+        return self.wall + 10 * S * tp_rank  # rank 1's host clock runs 10 s ahead
+
+    def run(self) -> list[set[str]]:
+        """Step every worker a few times; what each producer rank released."""
+        sent: list[set[str]] = [set(), set()]
+        for _ in range(6):
+            self.now += 1_000
+            self.d.get_finished()
+            for t, c in enumerate(self.p):
+                sent[t] |= c.get_finished()[0]
+        return sent
+
+
+def test_ranks_whose_clocks_differ_past_the_skew_release_by_notice_only_with_one_stamp() -> None:
+    """Each rank stamping its own hold, rank 1's stamp is 10 s from the params' (rank 0's): its
+    notice reads as another hold's and its blocks wait for the lease (what docs/embedding.md warns
+    of). Given one stamp for every rank, both release as soon as the reader notified them."""
+    w = SkewedTP2()
+    own = w.p[0].request_finished("own", [1, 2])
+    w.p[1].request_finished("own", [1, 2])
+    w.d.load("d-own", [1, 2], own)
+    assert w.run() == [{"own"}, set()]
+    assert any(r.fault is Fault.REMOTE and r.reason.startswith("notification of another hold")
+               for r in w.p[1].core.log.records())
+    shared = w.p[0].request_finished("shared", [3, 4], issued_wall_ns=w.wall)
+    w.p[1].request_finished("shared", [3, 4], issued_wall_ns=w.wall)
+    assert shared.issued_wall_ns == w.wall
+    w.d.load("d-shared", [3, 4], shared)
+    assert w.run() == [{"shared"}, {"shared"}]
+
+
+def test_the_scheduler_s_stamp_reaches_every_worker_s_hold_through_the_metadata() -> None:
+    w = SkewedTP2()
+    meta = ConnectorMetadata(reqs_to_send={"r": (5, 6)}, hold_issued={"r": w.wall - 2 * S})
+    for c in w.p:
+        c.start_load_kv(meta)
+    held = [next(r.event for r in c.core.log.records() if isinstance(r.event, BlocksHeld)) for c in w.p]
+    assert [h.issued_wall_ns for h in held] == [w.wall - 2 * S] * 2
+
+
+@pytest.mark.parametrize(("call", "field"), [
+    ("request_finished", "issued_wall_ns"),
+    ("stray", "hold_issued"),
+    ("zero", "hold_issued['r'].issued_wall_ns"),
+])
+def test_a_bad_hold_stamp_is_refused_naming_it_and_nothing_is_held(call: str, field: str) -> None:
+    w = SkewedTP2()
+    c = w.p[0]
+    with pytest.raises(InvalidInput) as err:
+        if call == "request_finished":
+            c.request_finished("r", [1], issued_wall_ns=0)
+        else:
+            c.start_load_kv(ConnectorMetadata(reqs_to_send={"r": (1,)},
+                                              hold_issued={"x": 5} if call == "stray" else {"r": 0}))
+    assert err.value.field == field
+    c.step()
+    assert not c.core.producers and c.request_finished("r", [1]).remote_request_id == "r"
