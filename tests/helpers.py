@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -265,12 +266,14 @@ def replay_json_schema() -> dict[str, dict[str, str]]:
 class RankedEngines:
     """Every producer (pp, tp) worker of engine "P" and every consumer worker of engine "D" as a
     Connector on one SimNetwork (the producer's handshake served at 127.0.0.1:9); ``now`` is
-    every worker's clock, monotonic and wall. Block sizes are split by TP (whole under MLA)."""
+    every worker's clock, monotonic and wall, but producer TP rank ``t``'s wall clock runs
+    ``p_wall_ahead[t]`` ns ahead. Block sizes are split by TP (whole under MLA)."""
 
     def __init__(self, p_tp: int, d_tp: int, *, mla: bool = False, p_pp: int = 1, d_pp: int = 1,
                  block_bytes: int = 240 * 8 * 7, p_config: dict[str, Any] | None = None,
-                 d_config: dict[str, Any] | None = None) -> None:
+                 d_config: dict[str, Any] | None = None, p_wall_ahead: dict[int, int] | None = None) -> None:
         self.net, self.now = SimNetwork(), 0
+        ahead = p_wall_ahead or {}
         self.pt = {(p, t): SimTransport(self.net, f"P{p}.{t}", pp_rank=p, tp_rank=t,
                                         block_bytes=block_bytes // (1 if mla else p_tp))
                    for p in range(p_pp) for t in range(p_tp)}
@@ -278,7 +281,8 @@ class RankedEngines:
             x.fill(range(64))
         self.p = {k: Connector(CoreConfig(engine_id="P", tp_rank=k[1], tp_size=p_tp, pp_rank=k[0], pp_size=p_pp,
                                           mla=mla, compat_hash="h", **(p_config or {})),
-                               self.pt[k], SimHandshaker(self.net), clock=self.clock, wall_clock=self.clock, port=9)
+                               self.pt[k], SimHandshaker(self.net), clock=self.clock,
+                               wall_clock=partial(self.wall_clock, ahead.get(k[1], 0)), port=9)
                   for k in self.pt}
         self.net.serve("127.0.0.1", 9, lambda p: reply(
             "P", tp_size=p_tp, pp_size=p_pp, mla=mla, ranks=tuple(self.pt[(p, t)].rank_info() for t in range(p_tp))))
@@ -292,3 +296,6 @@ class RankedEngines:
 
     def clock(self) -> int:
         return self.now
+
+    def wall_clock(self, ahead: int) -> int:
+        return self.now + ahead

@@ -4,20 +4,18 @@ not count toward the new one, and every rank's early notices for the hold still 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import pytest
-from helpers import ev, make_core, reply
+from helpers import RankedEngines, ev, make_core
 
 from pdfsm.commands import FinishedSending
-from pdfsm.connector import Connector, ConnectorMetadata
+from pdfsm.connector import ConnectorMetadata
 from pdfsm.core import Core
 from pdfsm.errors import InvalidInput
-from pdfsm.events import BlocksHeld, CoreConfig, NotificationReceived
+from pdfsm.events import BlocksHeld, NotificationReceived
 from pdfsm.fsm import Fault
 from pdfsm.wire import Notification, notification_event, notify_codec
-from transports.sim import SimHandshaker, SimNetwork, SimTransport
 
 S = 1_000_000_000  # one second, in ns
 OLD, NEW = 1_000 * S, 1_300 * S  # wall-clock issue times of two holds of one id, a lease apart and more
@@ -104,62 +102,52 @@ def test_the_wire_carries_the_issue_time_and_older_notifications_still_decode() 
 # --- one stamp for every rank (Connector.request_finished / ConnectorMetadata.hold_issued) --------------
 
 
-class SkewedTP2:
+def skewed_tp2() -> RankedEngines:
     """A TP 2 prefill engine whose rank 1 runs on a host with its wall clock 10 s ahead, and a TP 1
-    decode worker reading both ranks (sim transport)."""
+    decode worker reading both ranks; every clock at 1,000 s."""
+    w = RankedEngines(2, 1, p_wall_ahead={1: 10 * S}, p_config={"lease_ns": 600 * S})
+    w.now = 1_000 * S
+    return w
 
-    def __init__(self) -> None:
-        self.net, self.now, self.wall = SimNetwork(), 0, 1_000 * S
-        self.pt = [SimTransport(self.net, f"P-{t}", tp_rank=t) for t in range(2)]
-        for t in self.pt:
-            t.fill(range(64))
-        self.p = [Connector(CoreConfig(engine_id="P", compat_hash="h", tp_size=2, tp_rank=t, lease_ns=600 * S),
-                            self.pt[t], SimHandshaker(self.net), clock=lambda: self.now,
-                            wall_clock=partial(self.wall_of, t), port=9) for t in range(2)]
-        self.net.serve("127.0.0.1", 9, lambda pp: reply(
-            "P", tp_size=2, num_blocks=64, ranks=tuple(t.rank_info() for t in self.pt)))
-        self.d = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(self.net, "D-0", block_bytes=128),
-                           SimHandshaker(self.net), clock=lambda: self.now, wall_clock=lambda: self.wall)
 
-    def wall_of(self, tp_rank: int) -> int:
-        return self.wall + 10 * S * tp_rank  # rank 1's host clock runs 10 s ahead
-
-    def run(self) -> list[set[str]]:
-        """Step every worker a few times; what each producer rank released."""
-        sent: list[set[str]] = [set(), set()]
-        for _ in range(6):
-            self.now += 1_000
-            self.d.get_finished()
-            for t, c in enumerate(self.p):
-                sent[t] |= c.get_finished()[0]
-        return sent
+def run(w: RankedEngines) -> list[set[str]]:
+    """Step every worker a few times; what each producer TP rank released."""
+    sent: list[set[str]] = [set(), set()]
+    for _ in range(6):
+        w.now += 1_000
+        w.d[(0, 0)].get_finished()
+        for (_, t), c in w.p.items():
+            sent[t] |= c.get_finished()[0]
+    return sent
 
 
 def test_ranks_whose_clocks_differ_past_the_skew_release_by_notice_only_with_one_stamp() -> None:
     """Each rank stamping its own hold, rank 1's stamp is 10 s from the params' (rank 0's): its
     notice reads as another hold's and its blocks wait for the lease (what docs/embedding.md warns
     of). Given one stamp for every rank, both release as soon as the reader notified them."""
-    w = SkewedTP2()
-    own = w.p[0].request_finished("own", [1, 2])
-    w.p[1].request_finished("own", [1, 2])
-    w.d.load("d-own", [1, 2], own)
-    assert w.run() == [{"own"}, set()]
+    w = skewed_tp2()
+    p0, p1, d = w.p[(0, 0)], w.p[(0, 1)], w.d[(0, 0)]
+    own = p0.request_finished("own", [1, 2])
+    p1.request_finished("own", [1, 2])
+    d.load("d-own", [1, 2], own)
+    assert run(w) == [{"own"}, set()]
     assert any(r.fault is Fault.REMOTE and r.reason.startswith("notification of another hold")
-               for r in w.p[1].core.log.records())
-    shared = w.p[0].request_finished("shared", [3, 4], issued_wall_ns=w.wall)
-    w.p[1].request_finished("shared", [3, 4], issued_wall_ns=w.wall)
-    assert shared.issued_wall_ns == w.wall
-    w.d.load("d-shared", [3, 4], shared)
-    assert w.run() == [{"shared"}, {"shared"}]
+               for r in p1.core.log.records())
+    stamp = w.now
+    shared = p0.request_finished("shared", [3, 4], issued_wall_ns=stamp)
+    p1.request_finished("shared", [3, 4], issued_wall_ns=stamp)
+    assert shared.issued_wall_ns == stamp
+    d.load("d-shared", [3, 4], shared)
+    assert run(w) == [{"shared"}, {"shared"}]
 
 
 def test_the_scheduler_s_stamp_reaches_every_worker_s_hold_through_the_metadata() -> None:
-    w = SkewedTP2()
-    meta = ConnectorMetadata(reqs_to_send={"r": (5, 6)}, hold_issued={"r": w.wall - 2 * S})
-    for c in w.p:
+    w = skewed_tp2()
+    meta = ConnectorMetadata(reqs_to_send={"r": (5, 6)}, hold_issued={"r": w.now - 2 * S})
+    for c in w.p.values():
         c.start_load_kv(meta)
-    held = [next(r.event for r in c.core.log.records() if isinstance(r.event, BlocksHeld)) for c in w.p]
-    assert [h.issued_wall_ns for h in held] == [w.wall - 2 * S] * 2
+    held = [next(r.event for r in c.core.log.records() if isinstance(r.event, BlocksHeld)) for c in w.p.values()]
+    assert [h.issued_wall_ns for h in held] == [w.now - 2 * S] * 2
 
 
 @pytest.mark.parametrize(("call", "field"), [
@@ -168,8 +156,7 @@ def test_the_scheduler_s_stamp_reaches_every_worker_s_hold_through_the_metadata(
     ("zero", "hold_issued['r'].issued_wall_ns"),
 ])
 def test_a_bad_hold_stamp_is_refused_naming_it_and_nothing_is_held(call: str, field: str) -> None:
-    w = SkewedTP2()
-    c = w.p[0]
+    c = skewed_tp2().p[(0, 0)]
     with pytest.raises(InvalidInput) as err:
         if call == "request_finished":
             c.request_finished("r", [1], issued_wall_ns=0)
