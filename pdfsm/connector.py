@@ -363,6 +363,8 @@ class Connector:
         ``CoreConfig.hold_skew_ns``, so ranks on hosts whose clocks differ by more should share one.
         """
         self._open()
+        if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
+            _check_int("issued_wall_ns", issued_wall_ns, low=1)
         held = self._blocks_held(request_id, block_ids, lease_ns, issued_wall_ns)
         self._submit_hold(held)
         cfg = self.config
@@ -381,8 +383,6 @@ class Connector:
                                             "and has no params to give")
         if lease_ns is not None:
             _check_int("lease_ns", lease_ns, low=1)
-        if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
-            _check_int("issued_wall_ns", issued_wall_ns, low=1)
         self._check_fresh(rid, PRODUCER)
         now = self._clock()
         deadline = None if lease_ns is None else Deadline(self.config.clock, now + lease_ns)

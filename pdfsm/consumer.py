@@ -159,8 +159,12 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> s
     r = e.reply
     if r is None:
         return None
-    if (late := _started_after(req, r.ranks, skew)) is not None:
-        return late
+    if _predates(req, e, skew):
+        rank = max(r.ranks, key=lambda x: x.started_wall_ns)
+        ahead = (rank.started_wall_ns - req.issued_wall_ns) / 1e9
+        return (f"the params were issued {ahead:.3f} s before {req.engine_id} rank (pp {rank.pp_rank}, tp "
+                f"{rank.tp_rank}) started: that rank restarted since, and the blocks they name are another "
+                "process's")
     if r.tp_size != req.remote_tp or r.pp_size != req.remote_pp:
         return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
                 f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
@@ -172,19 +176,11 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> s
     return None
 
 
-def _started_after(req: ReadRequested, ranks: Iterable[RankInfo], skew: int) -> str | None:
-    """A rank whose transport started more than ``skew`` after the params were issued (both on
-    wall clocks) is a process that replaced the one that held them: one TP rank restarted alone
-    keeps the minting rank's incarnation, so only the times tell (docs/decisions.md)."""
-    if not req.issued_wall_ns or not skew:
-        return None
-    for rank in ranks:
-        if rank.started_wall_ns - req.issued_wall_ns > skew:
-            ahead = (rank.started_wall_ns - req.issued_wall_ns) / 1e9
-            return (f"the params were issued {ahead:.3f} s before {req.engine_id} rank (pp {rank.pp_rank}, tp "
-                    f"{rank.tp_rank}) started: that rank restarted since, and the blocks they name are another "
-                    "process's")
-    return None
+def _predates(req: ReadRequested, e: RemoteEngine, skew: int) -> bool:
+    """A rank of ``e`` started more than ``skew`` after the params were issued (both on wall
+    clocks): a process that replaced the one that held them. One TP rank restarted alone keeps the
+    minting rank's incarnation, so only the times tell (docs/decisions.md)."""
+    return bool(req.issued_wall_ns and skew) and e.started_ns - req.issued_wall_ns > skew
 
 
 def _restarted(req: ReadRequested, whose: str) -> str:
@@ -570,8 +566,7 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
     than the params (they are the stale side); returns the first reason."""
     found = list(contradictions(req, core))
     for pp, _ in found:
-        reply = core.engines[(req.engine_id, pp)].reply
-        if reply is None or _started_after(req, reply.ranks, core.config.hold_skew_ns) is None:
+        if not _predates(req, core.engines[(req.engine_id, pp)], core.config.hold_skew_ns):
             core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
     return found[0][1] if found else ""
 

@@ -81,6 +81,7 @@ class RemoteEngine:
         "readers",
         "reply",
         "retry_at",
+        "started_ns",
         "state",
         "waiters",
     )
@@ -95,6 +96,7 @@ class RemoteEngine:
         self.readers = 0  # requests holding it: told it is ready, or reading from it
         self.drop_owed = False  # lost while held: its peer is dropped when the last reader lets go (pay_drop)
         self.reply: HandshakeReply | None = None
+        self.started_ns = 0  # its reply's latest rank start (wall clock; 0: none said): read per request
         self.error: HandshakeError | None = None
         self.retry_at = 0
         self.idle_since = 0  # when it last failed, disconnected, connected or was read from
@@ -228,6 +230,7 @@ def _explain(m: RemoteEngine, ev: object, core: Core) -> str:
 
 def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
     m.reply = ev.reply
+    m.started_ns = max((rank.started_wall_ns for rank in ev.reply.ranks), default=0)
     core.emit(AddPeer(engine_id=m.engine_id, pp_rank=m.pp_rank, attempt=m.attempt, reply=ev.reply))
 
 
