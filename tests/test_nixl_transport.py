@@ -100,9 +100,10 @@ def engine(net: SimNetwork, engine_id: str, tp: int, blocks: int, block_bytes: i
         seed = 100 * r + 7
         kv = random_kv(regions, blocks, block_bytes, seed) if fill else zero_kv(regions, blocks, block_bytes)
         ranks.append(Rank(engine_id, net, r, tp, kv, mla=mla, host=host, **kw))
-    reply = HandshakeReply(engine_id=engine_id, compat_hash="", tp_size=tp, mla=mla, num_blocks=blocks,
-                           ranks=tuple(rk.transport.rank_info() for rk in ranks))
-    net.serve(host, 1, lambda pp: reply)
+    # Built when asked, from the list returned: a rank replaced in it is what the next handshake sees.
+    net.serve(host, 1, lambda pp: HandshakeReply(engine_id=engine_id, compat_hash="", tp_size=tp, mla=mla,
+                                                 num_blocks=blocks, ranks=tuple(rk.transport.rank_info()
+                                                                                for rk in ranks)))
     return ranks
 
 
@@ -263,8 +264,6 @@ def test_producer_tp2_rank_restarted_alone_fresh_params_read_it_stale_ones_fail_
     net = SimNetwork()
     ps = engine(net, "P", 2, 16, 4096, fill=True)
     (d,) = engine(net, "D", 1, 16, 8192, fill=False)
-    net.serve("P-host", 1, lambda pp: HandshakeReply(engine_id="P", compat_hash="", tp_size=2, num_blocks=16,
-                                                      ranks=tuple(rk.transport.rank_info() for rk in ps)))
     try:
         def hold(rid: str, blocks: list[int]) -> KVTransferParams:
             params = ps[0].conn.request_finished(rid, blocks)
