@@ -11,11 +11,14 @@ log replays without divergence. The tests add what each case must show on top.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
+from transport_helpers import LOOPBACK, listening_addresses
 
 from pdfsm import run as demo
+from pdfsm.engine_messages import Load, Prefill
 from pdfsm.events import AbortRequested
 from pdfsm.filelog import read_log
 from pdfsm.replay import replay
@@ -176,3 +179,27 @@ def test_a_hold_is_in_the_log_before_its_params_leave_the_prefill_engine(
     finally:
         engine.finish(Finish(grace_s=0.0))
     assert [sorted(ids & {"p-0", "p-1", "p-2"}) for ids in on_disk] == [["p-0"], ["p-0", "p-1"], ["p-0", "p-1", "p-2"]]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
+def test_the_engines_listen_on_the_configured_interface_only(tmp_path: Path) -> None:
+    """The main job with its defaults: while a request moves, every socket either engine process
+    listens on (the prefill side channel, UCX's) is on loopback, the configured interface; none
+    binds every interface (0.0.0.0 or ::)."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--log-dir", str(tmp_path)])
+    prefill, decode = (demo.Engine(role, demo._engine_args(args, role, tmp_path)) for role in ("prefill", "decode"))
+    try:
+        port = prefill.wait_for("ready", 60).port
+        decode.wait_for("ready", 60)
+        prefill.send(Prefill(rid="p-0", blocks=2, seed=7))
+        params = prefill.wait_for("prefilled", 30).params
+        assert params is not None and params.remote_host == "127.0.0.1" and params.remote_port == port
+        decode.send(Load(rid="d-0", params=params, seed=7))
+        assert decode.wait_for("done", 30).outcome == "received"
+        opened = {e.role: set(listening_addresses(e.proc.pid).values()) for e in (prefill, decode)}
+        assert opened["prefill"] and all(addrs <= LOOPBACK for addrs in opened.values()), opened
+    finally:
+        for e in (prefill, decode):
+            e.kill()

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from transport_helpers import PeerProcess, StepRank, random_kv, run_until, zero_kv
+from transport_helpers import LOOPBACK, PeerProcess, StepRank, listening_addresses, random_kv, run_until, zero_kv
 
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams
@@ -711,37 +711,15 @@ def test_progress_thread_does_not_spin() -> None:
         t.close()
 
 
-def _listening_addresses() -> dict[str, str]:
-    """This process's listening TCP sockets, socket inode -> local address, from /proc: its
-    socket inodes matched against the kernel's tables."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for row in list(f)[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                    out[cols[9]] = cols[1].rsplit(":", 1)[0]
-    return out
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
 def test_ucx_listens_on_loopback_only_by_default() -> None:
     """UCX opens a listening socket on every network device unless told; the transport limits
     it to loopback (the configured interface) by default, like the side channel."""
-    before = _listening_addresses()
+    before = listening_addresses()
     t = NixlTransport(name("lo"), zero_kv(1, 4, 64))
     try:
-        opened = {addr for inode, addr in _listening_addresses().items() if inode not in before}
-        loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc writes them
-        assert opened and opened <= loopback, opened
+        opened = {addr for inode, addr in listening_addresses().items() if inode not in before}
+        assert opened and opened <= LOOPBACK, opened
     finally:
         t.close()
 

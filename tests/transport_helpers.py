@@ -27,6 +27,30 @@ def zero_kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
     return [torch.zeros(blocks, block_bytes, dtype=torch.uint8) for _ in range(regions)]
 
 
+LOOPBACK = frozenset({"0100007F", "00000000000000000000000001000000"})  # 127.0.0.1, ::1 as /proc writes them
+
+
+def listening_addresses(pid: int | str = "self") -> dict[str, str]:
+    """A process's listening TCP sockets, socket inode -> local address (as /proc writes it): its
+    socket inodes matched against the kernel's tables."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = {}
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        with open(table) as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    out[cols[9]] = cols[1].rsplit(":", 1)[0]
+    return out
+
+
 class StepRank:
     """One worker driven through its Connector: what each step reported, accumulated."""
 
