@@ -298,6 +298,9 @@ def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
                                                    lease_ns="1")), "lease_ns"),  # type: ignore[arg-type]
         (lambda: d.load("x", [1], {**params.to_dict(), "remote_port": 70000}), "remote_port"),
         (lambda: w.p[0].request_finished("y", [1], lease_ns=True), "lease_ns"),
+        # Past the transport's cache (64 blocks): a read would fail on it later, or write elsewhere.
+        (lambda: d.load("x", [64], params), "local_block_ids"),
+        (lambda: w.p[0].request_finished("y", [2, 64]), "block_ids"),
     ]
     for call, field in cases:
         with pytest.raises(InvalidInput) as err:
@@ -305,6 +308,11 @@ def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
         assert err.value.field == field
     _, recv = w.run()
     assert recv == {"good": 1}
+    with pytest.raises(InvalidInput, match=r"block 64 is out of range: this worker.s KV cache has 64 blocks"):
+        d.load("x", [63, 64], params)
+    d.load("x", [63], w.prefill("p2", [63]))  # refused whole: the id and block 63 were never taken
+    _, recv = w.run()
+    assert recv == {"x": 1} and not d.last.failed
 
 
 def test_start_load_kv_takes_a_whole_step_of_metadata() -> None:

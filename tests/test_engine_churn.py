@@ -42,7 +42,7 @@ class World:
         self.net, self.now = SimNetwork(), 0
         self.prods: dict[str, tuple[str, int, SimTransport, Connector]] = {}
         self.gen = 0
-        self.cons = SimTransport(self.net, "D-0", num_blocks=256)
+        self.cons = SimTransport(self.net, "D-0", num_blocks=512)
         cfg = {"engine_id": "D", "compat_hash": "h", "lease_margin_ns": 100, **d_cfg}
         self.d = Connector(CoreConfig(**cfg), self.cons, SimHandshaker(self.net), clock=self.clock)
         self.reports: Counter[str] = Counter()

@@ -30,6 +30,7 @@ from transport_helpers import LOOPBACK, PeerProcess, StepRank, listening_address
 
 from pdfsm.commands import PostRead
 from pdfsm.connector import Connector, KVTransferParams
+from pdfsm.errors import InvalidInput
 from pdfsm.events import (
     BadMessage,
     CoreConfig,
@@ -359,21 +360,30 @@ def test_pp2_producer_into_pp1_consumer(xfer_mode: str) -> None:
         close_all([*ps.values(), d])
 
 
-def test_read_setup_failure_is_reported_not_raised() -> None:
+def test_block_ids_past_the_cache_are_refused_up_front_and_a_read_setup_failure_is_reported() -> None:
+    """The Connector knows its transport's block count: a block id past it is refused where it
+    enters (InvalidInput naming it, nothing accepted). A transport that does not say its count
+    leaves the id to the read, whose set-up failure is reported, not raised."""
     net = SimNetwork()
     (p,) = engine(net, "P", 1, 8, 256, fill=True)
     (d,) = engine(net, "D", 1, 8, 256, fill=False)
     try:
+        assert d.transport.capabilities.num_blocks == 8
+        with pytest.raises(InvalidInput, match=r"block_ids: block 99 is out of range: this worker's KV cache has 8"):
+            p.conn.request_finished("r0", [1, 99])
         params = p.conn.request_finished("r", [1, 2])
-        d.conn.load("rd", [0, 99], params)  # local block 99 does not exist on D: NIXL cannot set it up
+        with pytest.raises(InvalidInput, match=r"local_block_ids: block 99 is out of range"):
+            d.conn.load("rd", [0, 99], params)
+        d.transport.capabilities = msgspec.structs.replace(d.transport.capabilities, num_blocks=0)
+        d.conn.load("rd", [0, 99], params)  # nothing was accepted: the same id and params load again
         run_until([d], lambda: "rd" in d.recving)
         (failed,) = d.conn.last.failed
         assert failed.invalid_blocks == (0, 99)
         (ev,) = d.events(HandleFailed)
         assert ev.why is HandleFailure.SETUP and "99" in ev.detail
         # A remote block P does not have never reaches NIXL: P's handshake counted its blocks.
-        params = p.conn.request_finished("r2", [1, 99])
-        d.conn.load("rd2", [0, 1], params)
+        forged = msgspec.structs.replace(p.conn.request_finished("r2", [1, 2]), remote_block_ids=(1, 99))
+        d.conn.load("rd2", [0, 1], forged)
         run_until([d], lambda: "rd2" in d.recving)
         (failed,) = d.conn.last.failed
         assert "remote block 99 is out of range" in failed.reason and len(d.events(HandleFailed)) == 1

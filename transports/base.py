@@ -51,6 +51,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     supports_pp: bool = True
     memory_kinds: frozenset[str] = frozenset({"DRAM"})
+    # Blocks in this worker's KV cache (every region has as many; 0: not said). The Connector
+    # refuses block ids at or past it up front, instead of a read failing on them later.
+    num_blocks: int = 0
 
 
 def new_incarnation() -> str:

@@ -324,7 +324,8 @@ class NixlTransport:
         self.layer_map = LayerMap(layers, len(self.regions))
         self.layers = self.layer_map.layers
         kinds: frozenset[str] = frozenset({"DRAM", self.kind})
-        self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds)
+        self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds,
+                                         num_blocks=self.regions[0].num_blocks if self.regions else 0)
         with _net_devices(ucx_devices):
             self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
                                      delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads,

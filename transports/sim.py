@@ -156,7 +156,8 @@ class SimTransport:
         self.started_wall_ns = started_wall_ns  # deterministic: the test says when (0: not said)
         self.pp_rank, self.tp_rank = pp_rank, tp_rank
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
-        self.capabilities = Capabilities(name="sim", supports_pp=supports_pp, memory_kinds=frozenset({"DRAM"}))
+        self.capabilities = Capabilities(name="sim", supports_pp=supports_pp, memory_kinds=frozenset({"DRAM"}),
+                                         num_blocks=num_blocks)
         self.memory = bytearray(num_blocks * block_bytes)
         self.peers: dict[EngineKey, dict[int, str]] = {}
         self.reads: dict[tuple[str, int, int], _Read] = {}

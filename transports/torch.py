@@ -201,7 +201,8 @@ class TorchTransport:
         kinds = {"VRAM" if t.is_cuda else "DRAM" for t in self.tensors}
         self.devices = {t.device for t in self.tensors if t.is_cuda}  # what a read must wait for
         self.capabilities = Capabilities(name="torch", supports_pp=supports_pp,
-                                         memory_kinds=frozenset({"DRAM", *kinds}))
+                                         memory_kinds=frozenset({"DRAM", *kinds}),
+                                         num_blocks=self.regions[0].num_blocks if self.regions else 0)
         self.peers: dict[EngineKey, dict[int, _Remote]] = {}
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self._reads_lock = threading.Lock()  # also guards _disconnected (worker threads report)
