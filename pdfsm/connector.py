@@ -243,6 +243,7 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     if cfg.pp_rank > 0 and not transport.capabilities.supports_pp:
         raise InvalidInput("pp_rank", f"pp_rank {cfg.pp_rank} over the {transport.capabilities.name} transport, "
                                       "which has no PP support")
+    _check_int("transport.capabilities.num_blocks", transport.capabilities.num_blocks, low=0)
     info = transport.rank_info()
     for name, mine, its in (("tp_rank", cfg.tp_rank, info.tp_rank), ("pp_rank", cfg.pp_rank, info.pp_rank)):
         if mine != its:

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from test_connector import World
 
@@ -196,6 +197,17 @@ def test_connector_refuses_an_invalid_core_config_by_name(fields: dict[str, Any]
     with pytest.raises(InvalidInput) as err:
         Connector(CoreConfig(**cfg), SimTransport(net, "D-0"), SimHandshaker(net))
     assert field in err.value.field
+
+
+def test_connector_refuses_a_transport_that_says_a_negative_cache_size() -> None:
+    """A custom transport's ``capabilities.num_blocks`` is checked like the config: a negative
+    count would refuse every block id with a nonsensical range; 0 says nothing and checks nothing."""
+    net = SimNetwork()
+    t = SimTransport(net, "D-0")
+    t.capabilities = msgspec.structs.replace(t.capabilities, num_blocks=-1)
+    with pytest.raises(InvalidInput) as err:
+        Connector(CoreConfig(engine_id="D"), t, SimHandshaker(net))
+    assert err.value.field == "transport.capabilities.num_blocks"
 
 
 # --- 7. a PP mismatch is reported against the wrong field ------------------------------------------
