@@ -391,6 +391,46 @@ def test_block_ids_past_the_cache_are_refused_up_front_and_a_read_setup_failure_
         close_all([p, d])
 
 
+def test_vllm_backport_issue_33_a_peer_nixl_forgot_is_handshaken_again_not_failed_for_ever() -> None:
+    """https://github.com/wtdcode/vllm-backport/issues/33 -- after a UCX disconnect NIXL dropped the
+    producer's agent ("metadata for remote agent ... not found", "genNotif: no specified or
+    potential backend could send"), every later read raised NIXL_ERR_NOT_FOUND, the dead agent
+    stayed registered, and only restarting both engines recovered. pdfsm treats NOT_FOUND from a
+    post as the peer lost: that request fails with its policy (a remote fault), the engine is
+    handshaken again, and the next requests read the right bytes."""
+    net = SimNetwork()
+    (p,) = engine(net, "P", 1, 8, 256, fill=True)
+    (d,) = engine(net, "D", 1, 8, 256, fill=False)
+    try:
+        d.conn.load("a", [0], p.conn.request_finished("pa", [1]))
+        run_until([p, d], lambda: "a" in d.recving)
+        first = d.conn.core.engines[("P", 0)].attempt
+        d.transport.agent.remove_remote_agent(d.transport.peers[("P", 0)][0].agent)  # NIXL forgets P
+        d.conn.load("b", [1], p.conn.request_finished("pb", [2]))
+        run_until([p, d], lambda: "b" in d.recving)
+        (failed,) = d.conn.last.failed
+        assert failed.policy == "recompute" and failed.invalid_blocks == (1,) and "NOT_FOUND" in failed.reason
+        assert d.events(HandleFailed)[-1].why is HandleFailure.DISCONNECTED  # blamed on the peer
+        for rid, blk in (("c", 2), ("e", 3)):
+            d.conn.load(rid, [blk], p.conn.request_finished(f"p{rid}", [blk + 1]))
+            run_until([p, d], lambda rid=rid: rid in d.recving and f"p{rid}" in p.sending)  # type: ignore[misc]
+            assert not d.conn.last.failed and torch.equal(d.kv[0][blk], p.kv[0][blk + 1])
+        assert d.conn.core.engines[("P", 0)].attempt > first  # handshaken again
+    finally:
+        close_all([p, d])
+
+
+def test_a_notification_to_a_peer_nixl_forgot_reports_the_peer_lost(pair: Pair) -> None:
+    """genNotif's NOT_FOUND (no backend knows the peer) is a lost peer, reported once, as a
+    disconnect is; the send still raises, so the caller records the notification as not sent."""
+    pair.d.agent.remove_remote_agent(pair.d.peers[("P", 0)][0].agent)
+    for _ in range(2):
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            pair.d.send(("P", 0), 0, Notification("p-x", 0, 1))
+    (lost,) = [e for e in pair.d_events if isinstance(e, PeerDisconnected)]
+    assert lost.engine_id == "P" and "NOT_FOUND" in lost.detail
+
+
 # --- the transport's rules, driven directly ------------------------------------------------------
 
 

@@ -359,7 +359,7 @@ def _nixl_lost_engines(generations: int, snap_at: tuple[int, ...]) -> list[dict[
     d = NixlTransport(f"rb-d-{os.getpid()}", zero_kv(1, 4, 64))
     events: list[Any] = []
     d.bind(events.append, time.monotonic_ns)
-    gone = d._errors["disconnect"]
+    (gone,) = d._errors["disconnect"]
     real_send = d.agent.send_notif
 
     def send_to_the_dead(*_: Any) -> None:

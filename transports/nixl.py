@@ -484,7 +484,7 @@ class NixlTransport:
         if not cmd.local_blocks:  # nothing to move: the notification alone, as a completed read
             try:
                 self.agent.send_notif(peer.agent, note)
-            except self._errors["disconnect"] as exc:
+            except self._errors["lost"] as exc:
                 self._lost_at_post(cmd, peer, exc)
                 return
             self.reads[key] = _Read(cmd, peer, None, "DONE")
@@ -500,14 +500,14 @@ class NixlTransport:
                 handle = self._descs_xfer(cmd, peer, note)
         except SliceError as exc:
             raise TransportError(str(exc)) from None
-        except self._errors["disconnect"] as exc:
+        except self._errors["lost"] as exc:
             self._lost_at_post(cmd, peer, exc)
             return
         try:
             state = self.agent.transfer(handle)
         except Exception as exc:
             _release(handle, "transfer handle")
-            if isinstance(exc, self._errors["disconnect"]):
+            if isinstance(exc, self._errors["lost"]):
                 self._lost_at_post(cmd, peer, exc)
                 return
             raise
@@ -681,7 +681,7 @@ class NixlTransport:
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
         try:
             self.agent.send_notif(peer.agent, notify_codec.encode(message))
-        except self._errors["disconnect"] as exc:
+        except self._errors["lost"] as exc:
             self._peer_lost(peer, f"{type(exc).__name__}: {exc}")
             raise
 
@@ -763,14 +763,21 @@ def _release(handle: Any, what: str) -> None:
         _log.warning("releasing a %s failed: %s: %s", what, type(exc).__name__, exc)
 
 
-def _error_types(api: ModuleType) -> dict[str, type[BaseException]]:
+def _error_types(api: ModuleType) -> dict[str, tuple[type[BaseException], ...]]:
+    """NIXL's exceptions that mean a peer is lost. ``disconnect``: its connection broke, from any
+    call. ``lost``: that, or, from a post or a notification, ``NOT_FOUND``: NIXL no longer knows the
+    peer's agent (it dropped the metadata or the connection itself, as after a UCX disconnect it
+    saw first, wtdcode/vllm-backport issue 33); every later read would fail the same way until a
+    new handshake loads the peer again. A poll's ``NOT_FOUND`` fails that handle only: the next
+    post tells whether the peer is gone."""
     bindings = getattr(api, "nixlBind", None)
 
     def get(name: str) -> type[BaseException]:
         found = getattr(bindings, name, None)
         return found if isinstance(found, type) and issubclass(found, BaseException) else _Never
 
-    return {"disconnect": get("nixlRemoteDisconnectError")}
+    disconnect = get("nixlRemoteDisconnectError")
+    return {"disconnect": (disconnect,), "lost": (disconnect, get("nixlNotFoundError"))}
 
 
 class _Never(Exception):
