@@ -132,11 +132,16 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):  # msgspec would take a set
             raise InvalidInput("remote_block_ids", f"must be a sequence of block ids (its order pairs them with "
                                                    f"the local ones), got {blocks!r}")
+        known = {k: v for k, v in params.items() if k in cls.__struct_fields__}  # a router's own keys stay out
         try:
-            parsed = msgspec.convert(dict(params), cls)
+            parsed = msgspec.convert(known, cls)
         except msgspec.ValidationError as exc:
-            at = re.search(r"at `\$\.(\w+)", str(exc))  # msgspec names the path of the bad value
-            raise InvalidInput(at.group(1) if at else "kv_transfer_params", str(exc)) from None
+            # msgspec names the path of a bad value, or the required field that is missing
+            at = re.search(r"at `\$\.(\w+)|missing required field `(\w+)`", str(exc))
+            raise InvalidInput(next(g for g in at.groups() if g) if at else "kv_transfer_params", str(exc)) from None
+        except UnicodeEncodeError:  # a lone surrogate, as json.loads gives for "\ud800": no message could carry it
+            bad = next((k for k, v in known.items() if isinstance(v, str) and not _encodes(v)), "kv_transfer_params")
+            raise InvalidInput(bad, "must be valid Unicode (no lone surrogates)") from None
         if "remote_tp_size" not in params:  # it plans every read: said, never defaulted
             hint = " (vLLM's tp_size is pdfsm's remote_tp_size)" if "tp_size" in params else ""
             raise InvalidInput("remote_tp_size", f"missing from kv_transfer_params: the producer's TP size{hint}")
@@ -201,12 +206,23 @@ def _naming(batch: str, rid: object) -> Iterator[None]:
 def _check_id(field: str, value: object) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
         raise InvalidInput(field, f"must be a non-empty string of at most {MAX_ID_CHARS} characters, got {value!r}")
-    if not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError:  # a lone surrogate: no message or log record could carry it
-            raise InvalidInput(field, f"must be valid Unicode (no lone surrogates), got {value!r}") from None
+    if not _encodes(value):  # a lone surrogate: no message or log record could carry it
+        raise InvalidInput(field, f"must be valid Unicode (no lone surrogates), got {value!r}")
     return value
+
+
+def _check_host(value: object) -> str:
+    return value if isinstance(value, str) and value == "" else _check_id("host", value)
+
+
+def _encodes(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_int(field: str, value: object, *, low: int, high: int = MAX_DURATION_NS) -> int:
@@ -325,7 +341,9 @@ class Connector:
     ) -> None:
         config = _check_config(config, transport)
         self.config = config
-        self.host, self.port = host, port
+        # What the params this side mints name: checked now, not refused later by every consumer
+        # ("" is allowed: a consumer-only worker mints none).
+        self.host, self.port = _check_host(host), _check_int("port", port, low=0, high=65535)
         self.transport, self.handshaker = transport, handshaker
         self._clock, self._wall_clock = clock, wall_clock
         self._incarnation = transport.rank_info().incarnation  # what the params this side mints carry

@@ -284,7 +284,9 @@ def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
         (lambda: d.load("", [1], params), "request_id"),
         (lambda: d.load("x", [-1], params), "local_block_ids"),
         (lambda: d.load("x", [1, 2, 3], params), "local_block_ids"),
-        (lambda: d.load("x", [1], {"remote_engine_id": "P"}), "kv_transfer_params"),
+        (lambda: d.load("x", [1], {"remote_engine_id": "P"}), "remote_request_id"),  # the missing field, named
+        # A lone surrogate (json.loads gives one for "\\ud800") named by its field, not a UnicodeEncodeError.
+        (lambda: d.load("x", [1], {**params.to_dict(), "remote_port": "\ud800"}), "remote_port"),
         (lambda: d.load("x", [1], {**params.to_dict(), "remote_tp_size": 0}), "remote_tp_size"),
         (lambda: w.p[0].request_finished("y", [1.5]), "block_ids"),  # type: ignore[list-item]
         (lambda: w.p[0].request_finished("y", [1], lease_ns=0), "lease_ns"),
@@ -310,9 +312,20 @@ def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
     assert recv == {"good": 1}
     with pytest.raises(InvalidInput, match=r"block 64 is out of range: this worker.s KV cache has 64 blocks"):
         d.load("x", [63, 64], params)
-    d.load("x", [63], w.prefill("p2", [63]))  # refused whole: the id and block 63 were never taken
+    d.load("x", [63], {**w.prefill("p2", [63]).to_dict(), "router": "\ud800"})  # a router's own key: ignored
     _, recv = w.run()
     assert recv == {"x": 1} and not d.last.failed
+
+
+def test_the_address_a_producer_mints_into_its_params_is_checked_when_built() -> None:
+    """Params naming a port past 65535 or a host that is not a string were minted and held, then
+    refused by every consumer (blamed on the params) while the blocks waited out the lease."""
+    net = SimNetwork()
+    for n, (kw, field) in enumerate([({"port": 70000}, "port"), ({"port": -1}, "port"), ({"host": None}, "host"),
+                                     ({"host": "\ud800"}, "host")]):
+        with pytest.raises(InvalidInput) as err:
+            Connector(CoreConfig(engine_id="Q"), SimTransport(net, f"Q{n}"), SimHandshaker(net), **kw)
+        assert err.value.field == field
 
 
 def test_start_load_kv_takes_a_whole_step_of_metadata() -> None:
