@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -321,8 +322,9 @@ def test_the_address_a_producer_mints_into_its_params_is_checked_when_built() ->
     """Params naming a port past 65535 or a host that is not a string were minted and held, then
     refused by every consumer (blamed on the params) while the blocks waited out the lease."""
     net = SimNetwork()
-    for n, (kw, field) in enumerate([({"port": 70000}, "port"), ({"port": -1}, "port"), ({"host": None}, "host"),
-                                     ({"host": "\ud800"}, "host")]):
+    cases: list[tuple[dict[str, Any], str]] = [({"port": 70000}, "port"), ({"port": -1}, "port"),
+                                               ({"host": None}, "host"), ({"host": "\ud800"}, "host")]
+    for n, (kw, field) in enumerate(cases):
         with pytest.raises(InvalidInput) as err:
             Connector(CoreConfig(engine_id="Q"), SimTransport(net, f"Q{n}"), SimHandshaker(net), **kw)
         assert err.value.field == field
