@@ -57,6 +57,7 @@ from transports.nixl import (
     NixlTransport,
     RegionInfo,
     decode_rank_metadata,
+    import_nixl,
     nixl_available,
 )
 from transports.sim import SimHandshaker, SimNetwork
@@ -486,6 +487,56 @@ def stuck(agent: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         monkeypatch.setattr(agent, "check_xfer_state", real)
 
     return unstick
+
+
+def test_a_reply_naming_one_agent_for_two_ranks_is_refused_and_adds_nothing(pair: Pair) -> None:
+    """Two TP ranks on one agent: dropping the engine would remove the agent for the rank without
+    reads while the other's read still ran (the rule of vLLM PR 54689)."""
+    info = pair.p.rank_info()
+    before = pair.d.peers[("P", 0)]
+    reply = HandshakeReply(engine_id="P", compat_hash="", tp_size=2,
+                           ranks=(info, msgspec.structs.replace(info, tp_rank=1)))
+    with pytest.raises(TransportError, match=r"names agent .* for two TP ranks"):
+        pair.d.add_peer(("P", 0), reply)
+    assert pair.d.peers[("P", 0)] is before  # all or nothing: the connection it had stays
+
+
+def test_rank_metadata_must_register_the_blocks_its_reply_counts(pair: Pair) -> None:
+    """The reply's count bounds what a consumer reads; metadata claiming another count is refused
+    (a lying 2**24 made every read build a prepared list of gigabytes). 0 in the reply: not said."""
+    before = pair.d.peers[("P", 0)]
+    for said in (8, 1 << 24):
+        with pytest.raises(TransportError, match=f"registers a region of 16 blocks; its engine's reply says {said}"):
+            pair.d.add_peer(("P", 0), msgspec.structs.replace(pair.reply, num_blocks=said))
+        assert pair.d.peers[("P", 0)] is before
+    pair.d.add_peer(("P", 0), msgspec.structs.replace(pair.reply, num_blocks=16))
+
+
+def test_a_raising_poll_whose_release_nixl_refuses_as_active_is_polled_until_it_ends(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cancel_read's rule for a release NIXL refuses (REPOST_ACTIVE: still running, may still write)
+    holds after a raising poll too: the read is not reported stopped until NIXL lets it go."""
+    errors = import_nixl().nixlBind
+    unstick = stuck(pair.d.agent, monkeypatch)
+    pair.read("r")
+    pair.d.cancel_read("r", 0, 0)
+    handle = pair.d.reads[("r", 0, 0)].handle
+
+    def backend_error(_: Any) -> str:
+        raise errors.nixlBackendError("NIXL_ERR_BACKEND")
+
+    def still_active(_: Any) -> None:
+        raise errors.nixlRepostActiveError("NIXL_ERR_REPOST_ACTIVE")
+
+    monkeypatch.setattr(pair.d.agent, "check_xfer_state", backend_error)
+    monkeypatch.setattr(type(handle), "release", still_active)
+    for _ in range(3):
+        pair.d.progress()
+    assert not pair.outcomes() and ("r", 0, 0) in pair.d.reads
+    monkeypatch.undo()  # NIXL lets go: the next poll ends it
+    unstick()
+    pair.pump(lambda: bool(pair.outcomes()))
+    assert [type(e) for e in pair.outcomes()] == [HandleDone] and not pair.d.reads
 
 
 def test_rank_metadata_is_typed_msgpack(pair: Pair) -> None:

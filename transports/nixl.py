@@ -248,11 +248,12 @@ class _Peer:
 
 
 class _Read:
-    __slots__ = ("cancelled", "cmd", "handle", "peer", "state")
+    __slots__ = ("cancelled", "cmd", "handle", "held", "peer", "state")
 
     def __init__(self, cmd: PostRead, peer: _Peer, handle: Any, state: str) -> None:
         self.cmd, self.peer, self.handle, self.state = cmd, peer, handle, state
         self.cancelled = False
+        self.held = False  # NIXL refused to release it as still active after a poll raised
 
 
 def _tensor_kind(t: torch.Tensor) -> MemKind:
@@ -381,17 +382,28 @@ class NixlTransport:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
         decoded: list[tuple[RankInfo, NixlRankMetadata]] = []
         seen: set[int] = set()
+        agents: set[str] = set()
         for info in infos:
             if info.tp_rank in seen:
                 raise TransportError(f"handshake reply lists tp_rank {info.tp_rank} twice")
+            if info.agent in agents:  # dropping one rank would remove the agent under the other's reads
+                raise TransportError(f"handshake reply names agent {info.agent!r} for two TP ranks")
             seen.add(info.tp_rank)
+            agents.add(info.agent)
             if info.agent == self.agent_name:
                 raise TransportError(f"remote agent {info.agent!r} has this transport's own name")
             old = self._agents.get(info.agent)
             if old is not None and (old.key != key or old in self._draining):
                 why = "still draining reads" if old in self._draining else f"already serves {old.key}"
                 raise TransportError(f"remote agent {info.agent!r} {why}")
-            decoded.append((info, decode_rank_metadata(info.metadata)))
+            meta = decode_rank_metadata(info.metadata)
+            # The reply's count bounds the block ids the consumer accepts; a rank claiming more would
+            # have every read build a prepared list that large (gigabytes for a lying 2**24).
+            odd = next((r.num_blocks for r in meta.regions if r.num_blocks != reply.num_blocks), None)
+            if reply.num_blocks and odd is not None:
+                raise TransportError(f"remote rank {info.agent!r} registers a region of {odd} blocks; its engine's "
+                                     f"reply says {reply.num_blocks}")
+            decoded.append((info, meta))
         pairing: list[tuple[tuple[int, ...], tuple[Region, ...]]] = []
         for info, meta in decoded:
             remote_layers = _layers_of(meta)
@@ -620,7 +632,19 @@ class NixlTransport:
         detail = f"{type(exc).__name__}: {exc}"
         # NIXL 1.5.1 keeps the handle after a raising poll (NOT_FOUND included: checked), and an
         # unreleased one leaks UCX requests, so it is released; a release that raises is logged.
-        self._release_read(read)
+        # One NIXL refuses as still active (REPOST_ACTIVE) may still be writing into our blocks:
+        # as for a cancel NIXL refuses, the read is polled again, never reported stopped before.
+        try:
+            read.handle.release()
+        except self._errors["active"] as refused:
+            if not read.held:
+                read.held = True
+                _log.warning("read %s: poll raised %s and NIXL refused to release it (%s); polling until it "
+                             "ends", read.cmd.request_id, detail, refused)
+            return
+        except Exception as rexc:  # noqa: BLE001 - NIXL keeps a leaked handle and frees it with the agent
+            _log.warning("releasing a transfer handle failed: %s: %s", type(rexc).__name__, rexc)
+        read.handle = None
         if isinstance(exc, self._errors["disconnect"]):
             self._gone(read, detail)
         else:
@@ -764,12 +788,13 @@ def _release(handle: Any, what: str) -> None:
 
 
 def _error_types(api: ModuleType) -> dict[str, tuple[type[BaseException], ...]]:
-    """NIXL's exceptions that mean a peer is lost. ``disconnect``: its connection broke, from any
+    """NIXL's exceptions pdfsm tells apart. ``disconnect``: its connection broke, from any
     call. ``lost``: that, or, from a post or a notification, ``NOT_FOUND``: NIXL no longer knows the
     peer's agent (it dropped the metadata or the connection itself, as after a UCX disconnect it
     saw first, wtdcode/vllm-backport issue 33); every later read would fail the same way until a
     new handshake loads the peer again. A poll's ``NOT_FOUND`` fails that handle only: the next
-    post tells whether the peer is gone."""
+    post tells whether the peer is gone. ``active``: a release refused because the transfer
+    still runs."""
     bindings = getattr(api, "nixlBind", None)
 
     def get(name: str) -> type[BaseException]:
@@ -777,7 +802,8 @@ def _error_types(api: ModuleType) -> dict[str, tuple[type[BaseException], ...]]:
         return found if isinstance(found, type) and issubclass(found, BaseException) else _Never
 
     disconnect = get("nixlRemoteDisconnectError")
-    return {"disconnect": (disconnect,), "lost": (disconnect, get("nixlNotFoundError"))}
+    return {"disconnect": (disconnect,), "lost": (disconnect, get("nixlNotFoundError")),
+            "active": (get("nixlRepostActiveError"),)}
 
 
 class _Never(Exception):
