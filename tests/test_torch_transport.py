@@ -211,10 +211,10 @@ def test_cancel_during_the_copy_stops_between_chunks() -> None:
     started = threading.Event()
     real = pr.net.reachable
 
-    def slow_reachable(name: str) -> TorchTransport | None:
+    def slow_reachable(name: str, incarnation: str | None = None) -> TorchTransport | None:
         started.set()
         time.sleep(0.0002)
-        return real(name)
+        return real(name, incarnation)
 
     pr.net.reachable = slow_reachable  # type: ignore[method-assign]
     try:
@@ -259,6 +259,45 @@ def test_killed_peer(slow: Pair) -> None:
     slow.net.revive("p")
     slow.read("t")
     assert isinstance(slow.wait(4)[3], HandleDone)
+
+
+def test_a_read_posted_while_the_peer_was_down_ends_disconnected_even_if_it_comes_back(slow: Pair) -> None:
+    """Nothing was planned for it: reporting it done after a revival would hand back untouched
+    blocks as read and tell the producer to free its own (as the sim and NIXL end it)."""
+    slow.net.kill(slow.p.agent_name)
+    slow.read("r")
+    slow.net.revive(slow.p.agent_name)  # back within the read's latency
+    ev, lost = slow.wait(2)
+    assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.DISCONNECTED
+    assert isinstance(lost, PeerDisconnected) and not slow.d_kv[0].any()
+    slow.p.progress()
+    assert not slow.p_events  # the producer was told nothing
+
+
+@pytest.mark.parametrize("when", ["before the post", "during the latency"])
+def test_a_producer_restarted_under_the_same_name_is_not_read_through_the_old_connection(when: str) -> None:
+    """A connection names the process it was made with: another one under the agent's name (a
+    restart) is read from and told only after a new handshake (decisions.md, "Params name the
+    producer process that minted them")."""
+    pr = Pair(latency_s=0.2)
+    try:
+        if when == "during the latency":
+            pr.read("r")
+        name = pr.p.agent_name
+        pr.p.close()
+        successor = TorchTransport(pr.net, name, random_kv(1, 16, 1 << 20, seed=99))
+        told: list[Event] = []
+        successor.bind(told.append, time.monotonic_ns)
+        if when == "before the post":
+            pr.read("r")
+        ev, lost = pr.wait(2)
+        assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.DISCONNECTED
+        assert isinstance(lost, PeerDisconnected) and not pr.d_kv[0].any()
+        successor.progress()
+        assert not told
+        successor.close()
+    finally:
+        pr.close()
 
 
 def test_send_and_bad_bytes(slow: Pair) -> None:

@@ -105,6 +105,8 @@ class _Remote(NamedTuple):
     layers: tuple[int, ...]
     local_pos: tuple[int, ...]
     attempt: int  # the handshake attempt that added it: a PeerDisconnected about it carries it
+    # The process added: an agent restarted under the same name is another peer, not this one.
+    incarnation: str
 
 
 class TorchNetwork:
@@ -133,13 +135,15 @@ class TorchNetwork:
         with self._lock:
             self.dead.discard(name)
 
-    def reachable(self, name: str) -> TorchTransport | None:
+    def reachable(self, name: str, incarnation: str | None = None) -> TorchTransport | None:
+        """The live agent ``name``; with ``incarnation``, only while it is still that process."""
         with self._lock:
-            return None if name in self.dead else self.agents.get(name)
+            agent = None if name in self.dead else self.agents.get(name)
+        return agent if agent is None or incarnation in (None, agent.incarnation) else None
 
-    def deliver(self, sender: str, receiver: str, raw: bytes) -> None:
+    def deliver(self, sender: str, receiver: str, raw: bytes, incarnation: str | None = None) -> None:
         """Put notification bytes in the receiver's inbox; raise if it is unreachable."""
-        target = self.reachable(receiver)
+        target = self.reachable(receiver, incarnation)
         if target is None:
             raise TransportError(f"{receiver}: peer unreachable")
         target.inbox.append((sender, raw))
@@ -150,10 +154,11 @@ _Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
 
 
 class _Read:
-    __slots__ = ("cancel", "cmd", "plan", "remote")
+    __slots__ = ("cancel", "cmd", "gone", "plan", "remote")
 
-    def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan) -> None:
+    def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan, *, gone: bool) -> None:
         self.cmd, self.remote, self.plan = cmd, remote, plan
+        self.gone = gone  # the peer was gone when posted: nothing planned, it ends DISCONNECTED
         self.cancel = threading.Event()
 
 
@@ -258,7 +263,7 @@ class TorchTransport:
                                  f"{next(iter(ranks))}: TP ranks of one PP rank hold the same layers")
             pos = self.layer_map.positions(
                 layers, remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
-            ranks[info.tp_rank] = _Remote(info.agent, layers, pos, attempt)
+            ranks[info.tp_rank] = _Remote(info.agent, layers, pos, attempt, peer.incarnation)
         if not ranks:
             raise TransportError(f"handshake reply for {key} lists no rank at pp_rank {key[1]}")
         with self._reads_lock:  # with _lost's check: a loss of the old connection cannot mask the new one
@@ -284,12 +289,13 @@ class TorchTransport:
             self._check_pp(src.pp_rank)
             raise TransportError(f"no peer for ({cmd.engine_id}, pp {src.pp_rank}, tp {src.tp_rank})")
         name = remote.agent
-        peer = self.network.reachable(name)
-        # A peer gone since the handshake: the read is accepted with nothing to copy and ends
-        # DISCONNECTED (_copy), as had it gone a moment later; the engine is reported gone once.
+        peer = self.network.reachable(name, remote.incarnation)
+        # A peer gone since the handshake (dead, or restarted: another process under its name):
+        # the read is accepted with nothing to copy and ends DISCONNECTED (_copy), as had it gone
+        # a moment later, even if it is back by then; the engine is reported gone once.
         plan = self._plan(cmd, remote, peer) if peer is not None else []
         key = (cmd.request_id, src.pp_rank, src.tp_rank)
-        read = _Read(cmd, remote, plan)
+        read = _Read(cmd, remote, plan, gone=peer is None)
         with self._reads_lock:
             if key in self.reads:
                 raise TransportError(f"read {key} is already in flight")
@@ -335,7 +341,8 @@ class TorchTransport:
             if why is None:
                 note = read.cmd.notification
                 try:
-                    self.network.deliver(self.agent_name, read.remote.agent, notify_codec.encode(note))
+                    self.network.deliver(self.agent_name, read.remote.agent, notify_codec.encode(note),
+                                         read.remote.incarnation)
                 except TransportError as exc:
                     why, detail = HandleFailure.DISCONNECTED, f"notification not delivered: {exc}"
         except Exception as exc:  # noqa: BLE001 - a failing copy fails the handle, never the worker
@@ -369,7 +376,7 @@ class TorchTransport:
     def _copy(self, read: _Read) -> tuple[HandleFailure | None, str]:
         if self.latency_s and read.cancel.wait(self.latency_s):
             return HandleFailure.CANCELLED, "cancelled before the copy started"
-        peer = self.network.reachable(read.remote.agent)
+        peer = None if read.gone else self.network.reachable(read.remote.agent, read.remote.incarnation)
         if peer is None:
             return HandleFailure.DISCONNECTED, f"{read.remote.agent} went away"
         try:
@@ -389,7 +396,7 @@ class TorchTransport:
                 for start in range(0, length, chunk):
                     if read.cancel.is_set():
                         return HandleFailure.CANCELLED, "cancelled; the copy stopped"
-                    peer = self.network.reachable(read.remote.agent)
+                    peer = self.network.reachable(read.remote.agent, read.remote.incarnation)
                     if peer is None:
                         return HandleFailure.DISCONNECTED, f"{read.remote.agent} went away"
                     n = min(chunk, length - start)
@@ -404,7 +411,7 @@ class TorchTransport:
             self._check_pp(key[1])
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
         try:
-            self.network.deliver(self.agent_name, remote.agent, notify_codec.encode(message))
+            self.network.deliver(self.agent_name, remote.agent, notify_codec.encode(message), remote.incarnation)
         except TransportError as exc:
             self._lost(key, remote, f"notification not delivered: {exc}")
             raise
