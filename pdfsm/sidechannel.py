@@ -44,7 +44,8 @@ from transports.base import Clock, Submit
 
 __all__ = [
     "FLAG_MAC", "HEADER", "MAC_BYTES", "MAGIC", "MAX_HASH_CHARS", "MAX_MESSAGE_CHARS", "MAX_METADATA_BYTES",
-    "MAX_RANKS", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "MIN_SECRET_BYTES", "PROTOCOL_VERSION",
+    "MAX_RANKS", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "MAX_TIMEOUT_S", "MIN_SECRET_BYTES",
+    "PROTOCOL_VERSION",
     "ErrorCode", "ErrorReply", "HandshakeRequest", "ReplyMessage", "Response", "SideChannelError",
     "SideChannelHandshaker", "SideChannelServer",
     "check_reply", "fetch_reply", "pack_frame", "request_codec", "response_codec", "unpack_frame",
@@ -60,6 +61,7 @@ MAX_REPLY_BYTES: Final = 16 << 20  # default cap of a reply body; a receiver may
 MAX_METADATA_BYTES: Final = 1 << 20  # one rank's transport metadata
 MAX_MESSAGE_CHARS: Final = 1024
 MIN_SECRET_BYTES: Final = 16
+MAX_TIMEOUT_S: Final = 86_400.0  # a day; poll() takes at most INT_MAX ms (~24.8 days)
 _LABELS: Final = {"request": b"pdfsm-sidechannel/1 request\x00", "reply": b"pdfsm-sidechannel/1 reply\x00"}
 
 _log = structlog.get_logger("pdfsm.sidechannel")
@@ -187,8 +189,9 @@ def _check_secret(secret: bytes | _Secret | None) -> _Secret | None:
 
 def _check_timeouts(**timeouts: float) -> None:
     for name, value in timeouts.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+            raise ValueError(f"{name} must be a positive finite number of seconds up to {MAX_TIMEOUT_S:.0f}, "
+                             f"got {value!r}")
 
 
 def pack_frame(body: bytes, *, secret: bytes | _Secret | None, kind: Kind) -> bytes:
@@ -532,7 +535,8 @@ class SideChannelServer:
             self.refused[code] += 1
         log = _log.error if code == ErrorCode.INTERNAL else _log.warning
         log("side channel refused a request", peer=peer, code=code, error=message, exc_info=cause)
-        text = message[:MAX_MESSAGE_CHARS].encode("utf-8", "backslashreplace").decode()  # encodable whatever it held
+        # Encodable whatever it held, then cut: escaping a lone surrogate takes six characters.
+        text = message.encode("utf-8", "backslashreplace").decode()[:MAX_MESSAGE_CHARS]
         body = response_codec.encode(ErrorReply(code=code, message=text,
                                                 nonce=request.nonce if request else None,
                                                 pp_rank=request.pp_rank if request else None))
@@ -582,6 +586,7 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
     try:
         body = request_codec.encode(HandshakeRequest(version=PROTOCOL_VERSION, engine_id=engine_id,
                                                      pp_rank=pp_rank, nonce=nonce))
+        request_codec.decode(body)  # msgspec checks the schema's bounds when decoding: as the listener will
     except WireError as exc:
         raise SideChannelError("invalid", f"{where}: cannot build the request: {exc}") from None
     sock: socket.socket | None = None

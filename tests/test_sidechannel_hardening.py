@@ -283,3 +283,47 @@ def test_a_port_out_of_range_is_an_invalid_request(port: int) -> None:
     with pytest.raises(SideChannelError) as err:
         fetch_reply("127.0.0.1", port, engine_id="D", pp_rank=0, timeout=1.0)
     assert err.value.kind == "invalid"
+
+
+# --- found by review (stop 19) ---------------------------------------------------------------------
+
+
+def test_a_timeout_past_a_day_is_refused_when_built_not_an_overflow_at_poll() -> None:
+    """poll() takes at most ~24.8 days: a 30-day timeout passed the finite check and then failed
+    every exchange with a bare OverflowError (fetch_reply), a crash (handshaker, listener)."""
+    from pdfsm.sidechannel import MAX_TIMEOUT_S, SideChannelHandshaker
+
+    month = 30 * 86_400.0
+    with SideChannelServer(lambda pp: HandshakeReply(engine_id="P", compat_hash="h", tp_size=1)) as srv:
+        with pytest.raises(ValueError, match="up to 86400"):  # as NaN is: refused before anything is sent
+            fetch_reply("127.0.0.1", srv.port, engine_id="D", pp_rank=0, timeout=month)
+        assert fetch_reply("127.0.0.1", srv.port, engine_id="D", pp_rank=0, timeout=MAX_TIMEOUT_S).engine_id == "P"
+    for build in (lambda: SideChannelHandshaker("D", timeout=month),
+                  lambda: SideChannelServer(lambda pp: HandshakeReply(engine_id="P", compat_hash="h", tp_size=1),
+                                            io_timeout=month)):
+        with pytest.raises(ValueError, match="up to 86400"):
+            build()
+
+
+def test_a_refusal_naming_lone_surrogates_still_fits_its_schema() -> None:
+    """The message was cut to 1024 characters and then escaped (six characters per lone
+    surrogate): the listener's own refusal broke its schema and reached the client as malformed."""
+
+    def unknown(pp: int) -> HandshakeReply:
+        raise LookupError("engine " + "\udcff" * 300 + " unknown")  # an id from non-UTF-8 argv bytes
+
+    with SideChannelServer(unknown, io_timeout=1.0) as srv:
+        with pytest.raises(SideChannelError) as err:
+            fetch_reply("127.0.0.1", srv.port, engine_id="D", pp_rank=0, timeout=2.0)
+        assert err.value.kind == "remote" and "no-such-rank" in str(err.value)
+
+
+@pytest.mark.parametrize(("engine_id", "pp_rank"), [("", 0), ("D", 5000), ("D", -1), ("x" * 300, 0)])
+def test_a_request_outside_its_schema_is_invalid_here_not_blamed_on_the_listener(engine_id: str,
+                                                                                  pp_rank: int) -> None:
+    """msgspec checks a schema's bounds when decoding only: such a request cost a round trip, a
+    warning on the listener, and came back as the listener's refusal (kind ``remote``)."""
+    with SideChannelServer(lambda pp: HandshakeReply(engine_id="P", compat_hash="h", tp_size=1)) as srv:
+        with pytest.raises(SideChannelError) as err:
+            fetch_reply("127.0.0.1", srv.port, engine_id=engine_id, pp_rank=pp_rank, timeout=2.0)
+        assert err.value.kind == "invalid" and not srv.stats()["refused"]
