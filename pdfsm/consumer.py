@@ -234,6 +234,10 @@ def _bad_topology(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     return len(ev.local_blocks) != len(ev.remote_blocks)
 
 
+def _bad_topology_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    return not ev.local_blocks and _bad_topology(m, ev, core)
+
+
 def _pp_unsupported(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     return not core.config.supports_pp and ev.remote_pp > 1
 
@@ -608,6 +612,10 @@ def _drop_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
     _drop(m, ev, core, str(UnsupportedPP(ev.remote_pp - 1)), False)
 
 
+def _drop_bad_layout(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    _drop(m, ev, core, "the two engines' layouts cannot exchange KV blocks", False)
+
+
 def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed: {ev.error}", ev.remote_fault)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
@@ -836,6 +844,9 @@ TABLE: Final[Table] = Table(
                reason="transport cannot serve pp_rank > 0; producer left to its lease"),
             Go(S.FAILED, _refuse_pp, when=_pp_unsupported, fault=local,
                reason="transport cannot serve pp_rank > 0"),
+            # Nothing to read, so nobody waits for it: dropped, never handed to the scheduler.
+            Go(S.RELEASED, _drop_bad_layout, when=_bad_topology_notify_only, fault=local,
+               reason="the engines' layouts cannot exchange KV blocks; producer left to its lease"),
             Go(S.FAILED, _refuse_layout, when=_bad_topology, fault=local,
                reason="the engines' layouts cannot exchange KV blocks"),
             Go(S.FAILED, _refuse_lease_over, when=_lease_over),

@@ -36,6 +36,7 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.events import Collect as CollectEv
+from pdfsm.fsm import Fault
 from pdfsm.wire import Notification
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
 
@@ -432,3 +433,18 @@ def test_decode_tp2_one_rank_fails_before_trust_other_after_producer_released_on
     assert late == []
     assert any(isinstance(m, Notification) for _, m in dts[0].sent)
     assert not any(isinstance(m, Notification) for _, m in dts[1].sent)
+
+
+@pytest.mark.parametrize("layout", [{"remote_tp": 3}, {"remote_blocks": (1,)}])
+def test_a_notify_only_request_whose_layout_cannot_be_planned_is_dropped_not_handed_back(
+        layout: dict[str, Any]) -> None:
+    """Found by review: it went NEW -> FAILED and the next collect handed the scheduler a failed
+    request it never waited for (notify-only requests are never reported, vLLM PR 57570), unlike
+    every other refusal of a notify-only request. It is dropped as a local fault, nothing sent."""
+    core = make_core(strict=False, tp_size=2)
+    core.apply(read("n1", blocks=(), **{"remote_blocks": (), **layout}))
+    assert "n1" not in core.consumers and not core.ready_ids
+    core.apply(ev(CollectEv, 10, step=1))
+    assert not [c for c in core.take_commands() if isinstance(c, (HandOff, SendNotification, StartHandshake))]
+    (rec,) = [r for r in core.log.records() if r.machine == "consumer"]
+    assert rec.state == "RELEASED" and rec.fault is Fault.LOCAL and "layouts" in rec.reason
