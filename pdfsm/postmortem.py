@@ -679,8 +679,9 @@ def _resolve_at(specs: Sequence[str], names: Sequence[str]) -> list[int | None] 
     per: dict[str, int] = {}
     for spec in specs:
         name, _, seq = spec.rpartition(":")
-        if not (seq.isascii() and seq.isdigit()):  # str.isdigit alone takes "²", which int() refuses
-            return f"--at {spec!r}: expected SEQ or LOG:SEQ with SEQ a non-negative integer"
+        # str.isdigit alone takes "²", which int() refuses; and int() refuses over 4300 digits
+        if not (seq.isascii() and seq.isdigit()) or len(seq) > 20:
+            return f"--at {spec[:80]!r}: expected SEQ or LOG:SEQ with SEQ a non-negative integer of at most 20 digits"
         if not name:
             default = int(seq)
         elif name not in names:
