@@ -552,22 +552,43 @@ def _check_frame(fd: int, offset: int, size: int, cap: int) -> tuple[tuple[Any, 
     return fields, payload
 
 
+_SCAN_BUDGET: Final = 256 << 20  # payload bytes CRC-checked while classifying one damage
+
+
+class _Unclassified(Exception):
+    """Too many frame-shaped candidates after a damage to check them all (a hostile file)."""
+
+
 def _valid_frame_after(fd: int, offset: int, size: int, cap: int, claimed_end: int, link: int | None,
-                      seq: int | None) -> int | None:
+                       seq: int | None, follows: int | None) -> int | None:
     """The offset of the first self-consistent frame after the damage at ``offset``, if any (bounded
     reads), that is evidence of later data: past the damaged frame's claimed payload (which ends at
     ``claimed_end``), or chained to it (its prev_crc is ``link``), or starting at a seq that could
-    follow it (after ``seq``, the damaged frame's, by at most the bytes between them)."""
+    follow it: ``follows`` (the damaged frame's seq plus its record count, when its header reads),
+    or after ``seq``, the damaged frame's, by at most the bytes between them (a gap frame stands
+    for any number of records in a few bytes: only its count bounds the next seq).
+
+    Each candidate's header is judged before its payload is read and CRC-checked, and the payloads
+    checked add up to at most ``_SCAN_BUDGET`` bytes: past it, ``_Unclassified`` (else frame-shaped
+    runs each claiming the rest of the file made this quadratic)."""
+    spent = 0
     pos = offset + 1
     while pos < size:
         chunk = _pread(fd, min(_SCAN_CHUNK + len(FRAME_MARKER) - 1, size - pos), pos)
         i = chunk.find(FRAME_MARKER)
         while i != -1:
             at = pos + i
-            got = _check_frame(fd, at, size, cap)
-            if not isinstance(got, str) and (at >= claimed_end or got[0][4] == link
-                                             or (seq is not None and seq < got[0][7] <= seq + at - offset)):
-                return at
+            if size - at >= FRAME.size:
+                fields = FRAME.unpack(_pread(fd, FRAME.size, at))
+                base = fields[7]
+                if fields[2] <= size - at - FRAME.size and (
+                        at >= claimed_end or fields[4] == link or (follows is not None and base == follows)
+                        or (seq is not None and seq < base <= seq + at - offset)):
+                    spent += fields[2]
+                    if spent > _SCAN_BUDGET:
+                        raise _Unclassified
+                    if not isinstance(_check_frame(fd, at, size, cap), str):
+                        return at
             i = chunk.find(FRAME_MARKER, i + 1)
         pos += _SCAN_CHUNK
     return None
@@ -583,13 +604,20 @@ def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: in
     chains to the damaged frame (the segment's random salt keeps anyone from forging that) or
     starts at a seq that could follow the damaged frame's (``seq``): the real next frame always
     does, whatever of the damaged header was hit, and a peer would have to guess this log's seq
-    to within a few hundred, and even then only make a torn tail read as corruption."""
-    claimed_end, link = offset + 1, None
+    to within a few hundred, and even then only make a torn tail read as corruption. Damage whose
+    classification would take more than ``_SCAN_BUDGET`` bytes of checking is corruption: never
+    cut on a guess."""
+    claimed_end, link, follows = offset + 1, None, None
     if size - offset >= FRAME.size:
         fields = FRAME.unpack(_pread(fd, FRAME.size, offset))
         if fields[0] == FRAME_MARKER:
             claimed_end, link = offset + FRAME.size + fields[2], fields[1]
-    after = _valid_frame_after(fd, offset, size, cap, claimed_end, link, seq)
+            follows = None if seq is None else seq + fields[3]
+    try:
+        after = _valid_frame_after(fd, offset, size, cap, claimed_end, link, seq, follows)
+    except _Unclassified:
+        return CorruptLogError(f"{reason}; more frame-shaped data follows than can be checked", path=path,
+                               offset=offset)
     if after is not None:
         return CorruptLogError(f"{reason}; a valid frame follows at byte {after}", path=path, offset=offset)
     if not last:
