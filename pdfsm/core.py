@@ -275,8 +275,10 @@ class Core:
                     machines, cells, by_engine, name, make, remembered, target = _CORE_ROUTE
                 if make is None:  # a core event
                     log.next_seq = seq
-                    self._apply_core_event(ev, cause)
-                    seq = log.next_seq
+                    try:
+                        self._apply_core_event(ev, cause)
+                    finally:  # strict mode raises after recording it: its seq is used either way
+                        seq = log.next_seq
                 else:
                     key = (ev.engine_id, ev.pp_rank) if by_engine else ev.request_id  # type: ignore[attr-defined]
                     m: Any = machines.get(key)

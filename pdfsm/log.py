@@ -162,7 +162,7 @@ class EventLog:
         inbox.append(ev)
 
     def _make_room(self, ev: Event) -> bool:
-        if threading.get_ident() == self.owner:
+        if threading.get_ident() == self.owner and not self._closed:
             # The owner's own submissions (the scheduler's calls, a polled transport's outcomes)
             # go in over the limit: waiting would wait for itself, and dropping them would lose
             # what the caller was told is accepted. It drains them at its next pump.
@@ -234,8 +234,8 @@ class EventLog:
         """Hand recorded rows to the sink and wake producers waiting for room."""
         if self.unsunk and self.sink is not None:
             batch = self.unsunk[:]
-            self.unsunk.clear()  # cleared in place: the core holds its append method
-            self.sink.write(batch)
+            self.sink.write(batch)  # if it raises, the rows stay and go again at the next flush
+            del self.unsunk[:len(batch)]  # in place: the core holds its append method
         if self._waiting:
             with self._room:
                 self._room.notify_all()

@@ -112,3 +112,58 @@ def test_block_policy_waits_for_the_owner() -> None:
         time.sleep(0.001)
     t.join()
     assert sum(isinstance(r.event, AbortRequested) for r in core.log.records()) == 10
+
+
+# --- found by review (stop 19) ---------------------------------------------------------------------
+
+
+def test_a_strict_mode_bad_message_keeps_its_seq_and_the_next_record_does_not_reuse_it() -> None:
+    """A core event that raises in strict mode (a BadMessage: a remote fault) was recorded, and
+    then its seq was written back as the next one: two records with one seq, and a durable sink
+    refusing every later write."""
+    from pdfsm.errors import RemoteProtocolError
+    from pdfsm.events import BadMessage, Tick
+
+    sink = MemorySink()
+    core = make_core(strict=True, sink=sink)
+    core.submit(ev(BadMessage, 1, channel="side", sender="x", error="junk", size=3))
+    core.submit(ev(Tick, 2))
+    with pytest.raises(RemoteProtocolError):
+        core.pump()
+    core.pump()
+    seqs = [(r.seq, type(r.event).__name__) for r in core.log.records()]
+    assert seqs == [(0, "Started"), (1, "BadMessage"), (2, "Tick")] and core.log.next_seq == 3
+    assert [row[0] for row in sink.rows] == [0, 1, 2]
+
+
+def test_rows_a_sink_refused_are_handed_to_it_again() -> None:
+    """flush() cleared its rows before the sink's write: one raising write was a silent hole."""
+
+    class Flaky(MemorySink):
+        fail = True
+
+        def write(self, rows: list[object]) -> None:  # type: ignore[override]
+            if self.fail:
+                self.fail = False
+                raise OSError("disk busy")
+            super().write(rows)  # type: ignore[arg-type]
+
+    sink = Flaky()
+    core = make_core(sink=sink)
+    core.submit(ev(AbortRequested, 1, request_id="a"))
+    with pytest.raises(OSError, match="disk busy"):
+        core.pump()
+    core.submit(ev(AbortRequested, 2, request_id="b"))
+    core.pump()
+    assert [row[0] for row in sink.rows] == [r.seq for r in core.log.records()] == [0, 1, 2]
+
+
+def test_the_owner_s_submission_to_a_closed_log_is_counted_not_queued() -> None:
+    """Only other threads' late submissions were counted; the owner's went into an inbox nobody
+    will pump again."""
+    for overflow in Overflow:
+        log = EventLog(inbox_limit=64, overflow=overflow)
+        log.owner = threading.get_ident()
+        log.close()
+        log.submit(ev(AbortRequested, 1, request_id="late"))
+        assert not log.inbox and sum(log.take_dropped().values()) == 1
