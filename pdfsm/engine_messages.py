@@ -1,21 +1,24 @@
 """The messages between the demo's orchestrators (pdfsm.run, pdfsm.soak) and an engine process
 (pdfsm.engines): operations as JSON lines on the engine's stdin, results as JSON lines on its
-stdout marked with :data:`MARK` (NIXL writes lines of its own there). Typed, size-checked by
-the line reader, never pickled; kept apart from the engine so the orchestrators and the CLI do
-not import torch.
+stdout marked with :data:`MARK` (NIXL writes lines of its own there). Typed, each line at most
+:data:`MAX_LINE_BYTES` (:func:`read_lines` checks it before decoding), never pickled; kept
+apart from the engine so the orchestrators and the CLI do not import torch.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from collections.abc import Callable, Iterator
+from typing import Annotated, Final, Literal
 
 import msgspec
 
 from pdfsm.connector import KVTransferParams
 
-__all__ = ["MARK", "Abort", "Finish", "Forge", "Load", "Op", "OpType", "Prefill", "Result", "Tamper"]
+__all__ = ["MARK", "MAX_LINE_BYTES", "Abort", "Finish", "Forge", "Load", "Op", "OpType", "Prefill", "Result", "Tamper",
+           "read_lines"]
 
 MARK = "PDFSM "
+MAX_LINE_BYTES: Final = 1 << 20  # an op or result line: params of a few thousand block ids fit many times
 
 
 NUM_BLOCKS: Final = 256  # each demo engine's KV pool, in blocks
@@ -27,7 +30,7 @@ class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):
 
 class Prefill(Op, kw_only=True):
     rid: str
-    blocks: int
+    blocks: Annotated[int, msgspec.Meta(ge=1)]
     seed: int
 
 
@@ -97,3 +100,25 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     early_frees: int = 0  # accounting: blocks freed while the transport still had a read into them
     double_frees: int = 0  # accounting: blocks in the free pool more than once (``free`` counts distinct ones)
     sizes: dict[str, int] = {}  # stats: how many entries each per-request table holds, summed over workers
+
+
+def read_lines(read: Callable[[int], bytes]) -> Iterator[bytes | None]:
+    """Each line ``read`` yields (without its newline) until it returns b"", or None for one longer
+    than :data:`MAX_LINE_BYTES`, whose bytes are dropped as they come, never held whole. ``read(n)``
+    returns at most ``n`` bytes, blocking until there is one (``os.read`` on a descriptor: no
+    buffered reader's lock held by a thread still blocked there when the process exits)."""
+    buf = bytearray()
+    too_long = False
+    while chunk := read(1 << 16):
+        buf += chunk
+        end = buf.find(b"\n", len(buf) - len(chunk))  # only the new bytes: the rest had no newline
+        while end != -1:
+            line, buf = bytes(buf[:end]), buf[end + 1:]
+            yield None if too_long or len(line) > MAX_LINE_BYTES else line
+            too_long = False
+            end = buf.find(b"\n")
+        if len(buf) > MAX_LINE_BYTES:  # this line is too long already: keep none of it
+            buf.clear()
+            too_long = True
+    if buf or too_long:
+        yield None if too_long or len(buf) > MAX_LINE_BYTES else bytes(buf)

@@ -36,6 +36,7 @@ from pdfsm.consumer import S
 from pdfsm.engine_messages import (
     LEASE_MARGIN_S,
     MARK,
+    MAX_LINE_BYTES,
     NUM_BLOCKS,
     Abort,
     Finish,
@@ -46,8 +47,18 @@ from pdfsm.engine_messages import (
     Prefill,
     Result,
     Tamper,
+    read_lines,
 )
-from pdfsm.events import CoreConfig, HandleDone, HandleFailed, HandleFailure, HandshakeReply, NotificationReceived
+from pdfsm.errors import InvalidInput
+from pdfsm.events import (
+    CONSUMER,
+    CoreConfig,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    HandshakeReply,
+    NotificationReceived,
+)
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
 from pdfsm.wire import Notification
@@ -196,6 +207,9 @@ class Engine:
         if len(self.free) < op.blocks:
             emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
             return
+        if op.rid in self.held:  # the connector would refuse it too, after the bytes were written
+            emit(Result(ev="error", rid=op.rid, reason="request id already held"))
+            return
         blocks = [self.free.pop() for _ in range(op.blocks)]
         a = self.args
         index = torch.tensor(blocks, device=a.kv_device)
@@ -206,7 +220,14 @@ class Engine:
                 full = request_bytes(op.seed, layer, op.blocks, 1 if a.mla else a.heads, a.head_bytes)
                 mine = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
                 w.kv[k].index_copy_(0, index, mine.to(a.kv_device))
-            params = w.conn.request_finished(op.rid, blocks, issued_wall_ns=issued)
+            try:
+                params = w.conn.request_finished(op.rid, blocks, issued_wall_ns=issued)
+            except InvalidInput as exc:
+                if w is not self.workers[0]:  # every rank is asked the same: only the first can refuse
+                    raise
+                self.free.extend(blocks)
+                emit(Result(ev="error", rid=op.rid, reason=f"hold refused: {exc}"))
+                return
         if a.kv_device != "cpu":
             torch.cuda.synchronize()  # the copies are asynchronous; a READ must find them done
         for w in self.workers:  # write-ahead: the hold is in the log before its params leave us
@@ -221,10 +242,17 @@ class Engine:
             emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
             return
         blocks = [self.free.pop() for _ in range(n)]
-        self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
         lease_start = time.monotonic_ns() - int(op.age_s * 1e9)
-        for w in self.workers:
-            w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)
+        for i, w in enumerate(self.workers):
+            try:
+                w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)
+            except InvalidInput as exc:
+                if i:  # every rank is asked the same: only the first can refuse, having accepted nothing
+                    raise
+                self.free.extend(blocks)
+                emit(Result(ev="error", rid=op.rid, reason=f"load refused: {exc}"))
+                return
+        self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
         self.params[op.rid] = op.params
         if op.abort:
             self.abort(Abort(rid=op.rid))
@@ -261,17 +289,18 @@ class Engine:
         return out
 
     def _abort_due(self) -> None:
-        """Apply each pending abort once a rank's machine reads (or has got past handshaking, or the
-        request is gone): an abort applied in READING is mid-read whatever the wire has done,
+        """Apply each pending abort once every rank's machine reads (or has got past handshaking, or
+        the request is gone): an abort applied in READING is mid-read whatever the wire has done,
         since the machine waits for every handle it has not seen stop."""
         for rid in list(self.aborts):
             if rid not in self.held:  # already reported: too late to abort
                 self.aborts.discard(rid)
                 continue
-            machines = [w.conn.core.consumers.get(rid) for w in self.workers]
-            reading = any(m is not None and m.state is S.READING for m in machines)
-            past = all(m is not None and m.state not in (S.NEW, S.HANDSHAKING) for m in machines)
-            if reading or past:
+            # Every rank past handshaking (or finished): a rank aborted while it still handshakes
+            # stops without a read, and its producer rank waits out the lease for a notice.
+            states = [w.conn.core.consumers[rid].state if rid in w.conn.core.consumers
+                      else w.conn.core.remembered(CONSUMER, rid) for w in self.workers]
+            if all(s is not None and s not in (S.NEW, S.HANDSHAKING) for s in states):
                 self.aborts.discard(rid)
                 for w in self.workers:
                     w.conn.abort(rid)
@@ -392,9 +421,16 @@ def _rss() -> int:
 
 
 def _read_ops(out: queue.Queue[OpType | None]) -> None:
-    for line in sys.stdin:
-        if line.strip():
-            out.put(_decode_op(line.encode()))
+    """Ops from stdin until it closes; a line too long or not an op is reported and skipped (this
+    thread alone tells the engine its input ended: it must not die on one bad line)."""
+    for line in read_lines(lambda n: os.read(sys.stdin.fileno(), n)):
+        if line is None:
+            emit(Result(ev="error", reason=f"op line over {MAX_LINE_BYTES} bytes: skipped"))
+        elif line.strip():
+            try:
+                out.put(_decode_op(line))
+            except msgspec.DecodeError as exc:  # ValidationError included
+                emit(Result(ev="error", reason=f"bad op line: {exc}"))
     out.put(None)
 
 

@@ -228,7 +228,8 @@ class FileSink:
     # --- owner thread ---------------------------------------------------------------------------
 
     def write(self, rows: Sequence[Row]) -> None:
-        """Hand a batch over to the writer thread. Raises if the writer failed or was closed."""
+        """Hand a batch over to the writer thread. Raises if the writer failed or was closed,
+        having taken none of the batch (the log hands it again at its next flush)."""
         n = len(rows)
         if not n:
             return
@@ -238,13 +239,13 @@ class FileSink:
         if first != self._next_in or list(map(_seq_of, rows)) != list(range(first, first + n)):  # in C: ~10 ns a row
             raise LogWriteError(f"rows {first}..{rows[-1][0]} do not continue the log at seq {self._next_in} "
                                 "one by one", path=self.directory)
-        self._next_in = first + n
         batch = list(rows)
         cond = self._cond
         with cond:
             if self._queued and self._queued + n > self.queue_rows:
                 if self.overflow is Overflow.COUNT:
                     self._lose(first, n, f"writer queue full ({self.queue_rows} rows)")
+                    self._next_in = first + n
                     return
                 self._blocked += 1
                 try:
@@ -257,6 +258,7 @@ class FileSink:
                     self._raise()
             self._queue.append(batch)
             self._queued += n
+            self._next_in = first + n
             cond.notify()
 
     def _lose(self, first: int, n: int, reason: str) -> None:

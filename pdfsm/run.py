@@ -44,7 +44,7 @@ from typing import IO, Any
 
 import msgspec
 
-from pdfsm.engine_messages import LEASE_MARGIN_S, MARK, NUM_BLOCKS, Finish, Forge, Load, Prefill, Result
+from pdfsm.engine_messages import LEASE_MARGIN_S, MARK, NUM_BLOCKS, Finish, Forge, Load, Prefill, Result, read_lines
 from pdfsm.filelog import read_log
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
@@ -88,6 +88,7 @@ class UsageError(ValueError):
 
 
 LAYERS = 4  # the demo model's layers, shared out over the prefill PP ranks
+MAX_LEASE_S = 3600.0  # a demo lease of an hour is plenty; past it the engines' nanosecond config overflows
 
 
 def check_sizes(args: argparse.Namespace, names: Iterable[str]) -> None:
@@ -113,6 +114,16 @@ def check_options(args: argparse.Namespace) -> None:
     if not args.lease_s > LEASE_MARGIN_S:  # a read must end this long before the lease: none could
         raise UsageError(f"--lease-s {args.lease_s}: must be longer than the decode side's lease margin "
                          f"({LEASE_MARGIN_S:g} s)")
+    if args.lease_s > MAX_LEASE_S:
+        raise UsageError(f"--lease-s {args.lease_s}: at most {MAX_LEASE_S:g} s")
+    held = {"compat-hash", "wrong-engine-id"} & set(args.fault)
+    if held and args.requests * args.max_blocks > NUM_BLOCKS:  # nothing is read: every hold runs its lease
+        raise UsageError(f"--fault {sorted(held)[0]}: every request's blocks stay held on the prefill side until "
+                         f"its lease ends; --requests {args.requests} x --max-blocks {args.max_blocks} is more "
+                         f"than the {NUM_BLOCKS} blocks of its KV pool")
+    if "forge-notification" in args.fault and (held or (args.no_pp and args.prefill_pp > 1)):
+        raise UsageError("--fault forge-notification needs a producer the decode side connects to; "
+                         + (f"--fault {sorted(held)[0]}" if held else "--no-pp with --prefill-pp > 1") + " prevents it")
     if args.in_flight * args.max_blocks > NUM_BLOCKS:  # the router does not wait for free blocks
         raise UsageError(f"--in-flight {args.in_flight} x --max-blocks {args.max_blocks}: more than the "
                          f"{NUM_BLOCKS} blocks of each engine's KV pool")
@@ -156,9 +167,13 @@ class Engine:
         self.ended_early = False  # exited on its own mid-run (already reported as a problem)
 
     def _read(self, out: IO[str]) -> None:
-        for line in out:
-            if line.startswith(MARK):
-                self.results.put(_decode_result(line[len(MARK):].encode()))
+        mark = MARK.encode()
+        for line in read_lines(out.buffer.read1):  # type: ignore[attr-defined]  # the text wrapper's bytes
+            if line is not None and line.startswith(mark):
+                try:
+                    self.results.put(_decode_result(line[len(mark):]))
+                except msgspec.DecodeError as exc:  # a broken result is the engine's error, not this thread's end
+                    self.results.put(Result(ev="error", reason=f"bad result line from the {self.role} engine: {exc}"))
 
     def _errors(self, err: IO[str]) -> None:
         for line in err:

@@ -54,6 +54,17 @@ def test_tp2_into_tp1_with_two_aborts_landing_mid_read(tmp_path: Path) -> None:
     assert {p.name for p in out.logs} == {"prefill-pp0-tp0", "prefill-pp0-tp1", "decode-pp0-tp0"}
 
 
+@pytest.mark.parametrize("seed", [2, 6])
+def test_tp1_into_tp2_aborts_wait_for_every_rank_to_read(tmp_path: Path, seed: int) -> None:
+    """Found by review: the abort was applied once any decode rank read, so a rank still
+    handshaking stopped unread and its producer rank waited out the lease for a notice (seeds 2
+    and 6 released 2 of 8 by lease, with a remote violation in a run planting no fault). Every rank
+    reads first now: every hold is released by notification."""
+    out = run(tmp_path, "--prefill-tp", "1", "--decode-tp", "2", "--abort", "2", "--lease-s", "3",
+              "--seed", str(seed), requests=8)
+    assert out.outcomes == {"received": 6, "aborted": 2} and out.released == 8 and out.expired == 0
+
+
 def test_tp1_into_tp2(tmp_path: Path) -> None:
     """Both consumer ranks read their heads out of the one producer rank's blocks; the producer
     releases only when both have notified."""

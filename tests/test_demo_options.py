@@ -121,3 +121,18 @@ def test_more_blocks_in_flight_than_an_engine_holds_is_refused_up_front() -> Non
     until --timeout-s with it "in flight". check_options refuses what could only fail."""
     code, _, err, _ = _run_command("--requests", "4", "--in-flight", "4", "--max-blocks", "150")
     assert code == 2 and "--max-blocks" in err, err
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (("--requests", "4", "--lease-s", "inf"), "--lease-s inf: at most 3600"),
+    (("--requests", "4", "--lease-s", "1e10"), "--lease-s"),
+    (("--requests", "150", "--fault", "compat-hash"), "stay held on the prefill side until its lease ends"),
+    (("--requests", "8", "--fault", "wrong-engine-id", "--fault", "forge-notification"), "forge-notification needs"),
+    (("--requests", "8", "--prefill-pp", "2", "--no-pp", "--fault", "forge-notification"), "--no-pp with"),
+])
+def test_runs_that_could_only_fail_are_refused_before_any_engine_starts(argv: tuple[str, ...], match: str) -> None:
+    """Found by review: each started both engines and ended in a traceback (an infinite lease), or
+    exit 1 on a run doing what was asked (a compat-hash run of 150 requests emptied the prefill
+    pool, every hold running its lease; a forged notification with no producer ever connected)."""
+    with pytest.raises(demo.UsageError, match=match):
+        demo.check_options(_args(*argv))

@@ -10,8 +10,9 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import msgspec
 import pytest
 
 from pdfsm import run as demo
@@ -152,3 +153,58 @@ def test_engine_that_does_not_exit_is_killed_not_leaked(tmp_path: Path, monkeypa
         pytest.fail(f"run_command raised {exc!r}; engine children still running: {alive}")
     assert code != 0
     assert all(p.poll() is not None for p in tracked), "an engine child was left running"
+
+
+# --- an engine process under bad ops (found by review, stop 19) ------------------------------------
+
+
+@nixl
+def test_an_engine_reports_bad_ops_and_keeps_serving(tmp_path: Path, tracked: list) -> None:  # type: ignore[type-arg]
+    """A line that was not an op killed the thread reading ops, so closing stdin never finished the
+    engine; a line of any length was read whole; an op the connector refused (a reused id, a
+    load without a lease) crashed the engine process. Each is now an error result, and the engine
+    serves the next op and finishes cleanly with its block pool whole."""
+    from pdfsm.engine_messages import MAX_LINE_BYTES, Finish, Load, Prefill
+
+    args = _args(tmp_path)
+    eng = demo.Engine("prefill", demo._engine_args(args, "prefill", tmp_path))
+    eng.wait_for("ready", 60)
+    assert eng.proc.stdin is not None
+    eng.proc.stdin.write('{"op":"prefil","rid":"x"}\n' + "x" * (MAX_LINE_BYTES + 10) + "\n")
+    eng.proc.stdin.flush()
+    eng.send(Prefill(rid="p-0", blocks=2, seed=1))
+    eng.send(Prefill(rid="p-0", blocks=2, seed=2))  # the id is held: refused, its blocks not taken
+    errors: list[str] = []
+
+    def until(ev: str) -> Any:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            r = eng.results.get(timeout=30)
+            if r.ev == "error":
+                errors.append(r.reason)
+            if r.ev == ev:
+                return r
+        raise AssertionError(f"no {ev!r}")
+
+    params = until("prefilled").params
+    assert params is not None
+    eng.send(Load(rid="d-0", params=msgspec.structs.replace(params, lease_ns=0), seed=1))  # no lease: refused
+    while len(errors) < 4:
+        until("error")
+    assert any("bad op line" in e for e in errors) and any(f"over {MAX_LINE_BYTES}" in e for e in errors)
+    assert any("already held" in e for e in errors) and any("load refused: lease_ns" in e for e in errors)
+    eng.send(Finish(grace_s=1.0))
+    acc = eng.wait_for("accounting", 60)
+    assert acc.free == acc.total - 2 and acc.in_flight == 1  # p-0's hold, nothing else taken
+    assert eng.reap(30) is None
+
+
+def test_read_lines_bounds_every_line_however_it_is_chunked() -> None:
+    from pdfsm.engine_messages import MAX_LINE_BYTES, read_lines
+
+    big = b"y" * (MAX_LINE_BYTES + 1)
+    data = b"a\n" + b"x" * MAX_LINE_BYTES + b"\n" + big + b"\nb\n\nlast"
+    for step in (1 << 16, 7, MAX_LINE_BYTES + 3):
+        chunks = iter([data[i:i + step] for i in range(0, len(data), step)])
+        got = list(read_lines(lambda n, c=chunks: next(c, b"")))  # type: ignore[misc]
+        assert got == [b"a", b"x" * MAX_LINE_BYTES, None, b"b", b"", b"last"], step
