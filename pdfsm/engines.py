@@ -72,9 +72,14 @@ _encode = msgspec.json.Encoder().encode
 _decode_op = msgspec.json.Decoder(OpType).decode
 
 
+_EMIT_LOCK = threading.Lock()  # the op reader reports bad lines from its own thread: one line at a time
+
+
 def emit(result: Result) -> None:
-    sys.stdout.write(MARK + _encode(result).decode() + "\n")
-    sys.stdout.flush()
+    line = MARK + _encode(result).decode() + "\n"
+    with _EMIT_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def request_bytes(seed: int, layer: int, blocks: int, heads: int, head_bytes: int) -> torch.Tensor:
