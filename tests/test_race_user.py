@@ -165,3 +165,29 @@ def test_a_second_race_hunt_leaves_only_its_own_counterexample_logs(tmp_path: Pa
     found = race.hunt(second.scenario, second, max_examples=200)
     assert found.found and found.world is not None
     assert sorted(p.name for p in (tmp_path / "counterexample").iterdir()) == sorted(found.world.sinks)
+
+
+# --- found by review (stop 19) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: Scenario(consumer_tp=0), "consumer_tp must be at least 1"),  # no decode rank: every hunt passed
+    (lambda: Scenario(producer_tp=0), "producer_tp must be at least 1"),  # an IndexError mid-search
+    (lambda: Scenario(requests=1, notify_only=(5,)), r"notify_only \[5\]"),  # silently ignored
+    (lambda: Variant(quirks=frozenset({"notify-on-posts"})), "unknown quirks"),  # silently the real adapter
+])
+def test_a_scenario_or_variant_that_would_test_nothing_is_refused_when_built(make: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()  # type: ignore[operator]
+
+
+def test_a_hunt_that_finds_nothing_leaves_no_earlier_hunt_s_logs(tmp_path: Path) -> None:
+    """docs/race-testing.md: counterexample/ is "emptied first: a second hunt in one test leaves
+    only its own logs"; it was emptied only when the second hunt found something."""
+    race = Race(tmp_path, 50)
+    lax = Tables(consumer=C.TABLE.patched("lax", {}))
+    first = race.hunt(Scenario(requests=1, faults=frozenset()), Variant(tables=lax),
+                      [lambda w: w.fail("always") if w.hand_offs else None])
+    assert first.found and (tmp_path / "counterexample").exists()
+    assert not race.hunt(Scenario(requests=1, faults=frozenset())).found
+    assert not (tmp_path / "counterexample").exists()

@@ -11,7 +11,7 @@ See docs/race-testing.md.
 """
 
 from pdfsm.testing.explore import Found, drive, exhaust, hunt
-from pdfsm.testing.world import EXTRA_FAULTS, FAULTS, Choice, InvariantViolation, Scenario, Variant, World
+from pdfsm.testing.world import EXTRA_FAULTS, FAULTS, QUIRKS, Choice, InvariantViolation, Scenario, Variant, World
 
-__all__ = ["EXTRA_FAULTS", "FAULTS", "Choice", "Found", "InvariantViolation", "Scenario", "Variant", "World", "drive",
-           "exhaust", "hunt"]
+__all__ = ["EXTRA_FAULTS", "FAULTS", "QUIRKS", "Choice", "Found", "InvariantViolation", "Scenario", "Variant", "World",
+           "drive", "exhaust", "hunt"]

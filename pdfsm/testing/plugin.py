@@ -43,9 +43,9 @@ class Race:
         from pdfsm.testing.explore import hunt
 
         found = hunt(scenario, variant, invariants, max_examples=max_examples or self.examples)
+        logs = self.directory / "counterexample"
+        shutil.rmtree(logs, ignore_errors=True)  # an earlier hunt's logs would pass for this one's
         if found.found and found.world is not None:
-            logs = self.directory / "counterexample"
-            shutil.rmtree(logs, ignore_errors=True)  # an earlier hunt's logs would replay as this one's
             found.world.dump(logs)
         return found
 

@@ -101,6 +101,7 @@ COMPAT = "race-model-v1"
 # A worker's restart takes RESTART_NS, more than the cores' HOLD_SKEW_NS: any params issued before
 # it are older than the new rank by more than the skew.
 WALL0, HOLD_SKEW_NS, RESTART_NS = 1_000_000, 5, 10
+QUIRKS = frozenset({"poll-errors-escape", "add-peer-off-owner", "notify-on-post", "no-rebase", "no-start-times"})
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +135,13 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
         unknown = self.faults - FAULTS - EXTRA_FAULTS
         if unknown:  # a misspelt fault would quietly be searched without
             raise ValueError(f"unknown faults {sorted(unknown)}: known are {sorted(FAULTS | EXTRA_FAULTS)}")
+        # A size of 0 made a world with no rank to check (every hunt passed) or failed mid-search.
+        for name in ("requests", "blocks", "consumer_tp", "producer_tp", "producer_pp", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Scenario.{name} must be at least 1, got {getattr(self, name)}")
+        stray = [i for i in self.notify_only if not 0 <= i < self.requests]
+        if stray:  # they would quietly be ignored
+            raise ValueError(f"Scenario.notify_only {stray}: request indices are 0..{self.requests - 1}")
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,11 @@ class Variant:
     timers: Callable[[], Timers] | None = None
     quirks: frozenset[str] = frozenset()
     scenario: Scenario | None = None
+
+    def __post_init__(self) -> None:
+        unknown = self.quirks - QUIRKS
+        if unknown:  # a misspelt quirk would quietly test the real adapter
+            raise ValueError(f"unknown quirks {sorted(unknown)}: known are {sorted(QUIRKS)}")
 
 
 class InvariantViolation(AssertionError):
