@@ -514,7 +514,7 @@ class Connector:
         plan = self._check_layout(p)
         if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:  # as a load would be refused
             return 0
-        msg = HeartbeatMessage(p.remote_request_id, extend_ns)
+        msg = HeartbeatMessage(p.remote_request_id, extend_ns, p.issued_wall_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         told = 0
         for pp, tp in ranks:

@@ -341,6 +341,7 @@ class Heartbeat(_ProducerEvent, frozen=True):
 
     extend_ns: int
     sender: str = ""
+    issued_wall_ns: int = 0  # the hold it extends, by its params' issue time (0: not said)
 
 
 class LeaseExpired(_ProducerEvent, frozen=True):

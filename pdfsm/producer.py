@@ -50,8 +50,8 @@ S = ProducerState
 class ProducerRequest:
     """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
-    __slots__ = ("block_ids", "deadline", "extended_to", "issued", "of", "outcome", "parts", "request_id", "state",
-                 "t_start")
+    __slots__ = ("block_ids", "deadline", "extended_to", "issued", "of", "outcome", "parts", "promised_for",
+                 "request_id", "state", "t_start")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -66,6 +66,7 @@ class ProducerRequest:
         self.outcome = ""
         self.t_start = 0
         self.issued = 0  # the hold's params' issue time, or the staged notifications' (0: not said)
+        self.promised_for = 0  # the issue time of the hold an early heartbeat's promise is for (0: not said)
 
     def __repr__(self) -> str:
         return f"ProducerRequest({self.request_id!r}, {self.state})"
@@ -96,6 +97,10 @@ def _apart(a: int, b: int, core: Core) -> bool:
 
 
 def _of_another_hold(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return _apart(ev.issued_wall_ns, m.issued, core)
+
+
+def _heartbeat_of_another_hold(m: ProducerRequest, ev: Heartbeat, core: Core) -> bool:
     return _apart(ev.issued_wall_ns, m.issued, core)
 
 
@@ -155,6 +160,8 @@ def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     core.leases.disarm(m.request_id, m.deadline)  # the staging time no longer applies
     core.unstage(m)
     _hold(m, ev, core)
+    if _apart(m.promised_for, ev.issued_wall_ns, core):  # a late heartbeat of an earlier hold: not ours
+        m.extended_to = None
     _keep_promise(m, core)
 
 
@@ -215,6 +222,7 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     the staged entry at least until then."""
     m.t_start = ev.t_ns
     m.extended_to = ev.t_ns + ev.extend_ns
+    m.promised_for = ev.issued_wall_ns
     m.deadline = max(ev.t_ns + core.config.lease_ns, m.extended_to)
     core.stage(m)
 
@@ -222,6 +230,7 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     promised = ev.t_ns + ev.extend_ns
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
+    m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
     core.promise(m)
     _keep_promise(m, core)
 
@@ -320,7 +329,10 @@ TABLE: Final[Table] = Table(
             Go(S.RELEASED, _count_and_release, when=_completes),
             Go(S.HOLDING, _count),
         ),
-        on(S.HOLDING, Heartbeat, Go(S.HOLDING, _extend)),
+        on(S.HOLDING, Heartbeat,
+           Ignore("heartbeat of another hold of this request id (its params were issued at another time)",
+                  when=_heartbeat_of_another_hold),
+           Go(S.HOLDING, _extend)),
         on(S.HOLDING, LeaseExpired, Go(S.EXPIRED, _expire, fault=remote,
                                        reason="lease expired before every consumer part notified")),
         on((S.HOLDING, S.RELEASED, S.EXPIRED, S.DISCARDED), StagedDropped, Illegal(local, "not staged")),

@@ -65,6 +65,8 @@ class HeartbeatMessage(msgspec.Struct, frozen=True, gc=False, tag="h", array_lik
 
     request_id: RequestId
     extend_ns: Annotated[int, msgspec.Meta(gt=0, le=MAX_EXTEND_NS)]
+    # The params' issued_wall_ns, as a Notification says it: which hold to extend (0: not said).
+    issued_wall_ns: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 NotifyMessage = Notification | HeartbeatMessage
@@ -119,4 +121,4 @@ def notification_event(raw: bytes, *, sender: str, source: str, t_ns: int) -> Ev
         return NotificationReceived(source=source, t_ns=t_ns, request_id=msg.request_id, part=msg.part,
                                     of=msg.of, sender=sender, issued_wall_ns=msg.issued_wall_ns)
     return Heartbeat(source=source, t_ns=t_ns, request_id=msg.request_id, extend_ns=msg.extend_ns,
-                     sender=sender)
+                     sender=sender, issued_wall_ns=msg.issued_wall_ns)

@@ -166,3 +166,45 @@ def test_a_bad_hold_stamp_is_refused_naming_it_and_nothing_is_held(call: str, fi
     assert err.value.field == field
     c.step()
     assert not c.core.producers and c.request_finished("r", [1]).remote_request_id == "r"
+
+
+# --- heartbeats name their hold too (found by review, stop 19) ---------------------------------------
+
+
+def beat(core: Core, t: int, issued: int, extend: int = 3600 * S, rid: str = "px") -> None:
+    from pdfsm.events import Heartbeat
+
+    core.apply(ev(Heartbeat, t, request_id=rid, extend_ns=extend, sender="D-0", issued_wall_ns=issued))
+
+
+@pytest.mark.parametrize("when", ["staged before the hold", "while holding"])
+def test_a_late_heartbeat_of_an_earlier_hold_does_not_extend_a_new_hold(when: str) -> None:
+    """A late heartbeat of the previous hold of a reused id (staged as early, or arriving while
+    the new hold is live) extended the new one by up to an hour past its lease. It names its hold
+    now, as a notification does: it is not counted; this hold's own heartbeats still extend it."""
+    core = producer(lease_ns=1 * S)
+    if when == "staged before the hold":
+        beat(core, 10, OLD)
+        hold(core, 20, NEW)
+    else:
+        hold(core, 20, NEW)
+        beat(core, 30, OLD)
+    assert core.producers["px"].deadline == 20 + 1 * S  # its own lease, not the late promise
+    beat(core, 40, NEW, extend=5 * S)
+    assert core.producers["px"].deadline == 40 + 5 * S
+    beat(core, 50, 0, extend=9 * S)  # a heartbeat that does not say its hold (older consumers) still counts
+    assert core.producers["px"].deadline == 50 + 9 * S
+
+
+def test_a_heartbeat_says_its_hold_on_the_wire_and_an_older_one_still_decodes() -> None:
+    import msgspec
+
+    from pdfsm.events import Heartbeat
+    from pdfsm.wire import HeartbeatMessage
+
+    raw = notify_codec.encode(HeartbeatMessage("px", 5 * S, NEW))
+    got = notification_event(raw, sender="D-0", source="notify", t_ns=1)
+    assert isinstance(got, Heartbeat) and got.issued_wall_ns == NEW
+    older = msgspec.msgpack.encode(("h", "px", 5 * S))  # before the field: tag, request id, extension
+    got = notification_event(older, sender="D-0", source="notify", t_ns=1)
+    assert isinstance(got, Heartbeat) and got.issued_wall_ns == 0
