@@ -212,7 +212,7 @@ def _check_id(field: str, value: object) -> str:
 
 
 def _check_host(value: object) -> str:
-    return value if isinstance(value, str) and value == "" else _check_id("host", value)
+    return "" if value == "" else _check_id("host", value)
 
 
 def _encodes(value: str) -> bool:

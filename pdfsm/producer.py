@@ -96,11 +96,7 @@ def _apart(a: int, b: int, core: Core) -> bool:
     return bool(skew and a and b and abs(a - b) > skew)
 
 
-def _of_another_hold(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
-    return _apart(ev.issued_wall_ns, m.issued, core)
-
-
-def _heartbeat_of_another_hold(m: ProducerRequest, ev: Heartbeat, core: Core) -> bool:
+def _of_another_hold(m: ProducerRequest, ev: NotificationReceived | Heartbeat, core: Core) -> bool:
     return _apart(ev.issued_wall_ns, m.issued, core)
 
 
@@ -331,7 +327,7 @@ TABLE: Final[Table] = Table(
         ),
         on(S.HOLDING, Heartbeat,
            Ignore("heartbeat of another hold of this request id (its params were issued at another time)",
-                  when=_heartbeat_of_another_hold),
+                  when=_of_another_hold),
            Go(S.HOLDING, _extend)),
         on(S.HOLDING, LeaseExpired, Go(S.EXPIRED, _expire, fault=remote,
                                        reason="lease expired before every consumer part notified")),
