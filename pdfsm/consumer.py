@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
-from pdfsm.engine import EngineState, RemoteEngine, pay_drop
+from pdfsm.engine import EngineState, RemoteEngine, ask_owed_eviction, pay_drop
 from pdfsm.errors import UnsupportedPP
 from pdfsm.events import (
     AbortRequested,
@@ -381,23 +381,25 @@ def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
         e.readers += 1
 
 
-def _let_go(m: ConsumerRequest, core: Core) -> None:
-    """Release the engines held; a lost one's peer goes with its last reader. Callers notify
-    first: the notification to a lost stage's live ranks needs that peer."""
+def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
+    """Release the engines held; a lost one's peer goes with its last reader, and so does one
+    whose eviction was asked meanwhile. Callers notify first: the notification to a lost stage's
+    live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
-        if e.drop_owed and not e.readers:
+        if not e.readers:
             pay_drop(e, core)
+            ask_owed_eviction(e, core, t_ns)
     m.engines = ()
 
 
-def _stop_waiting(m: ConsumerRequest, core: Core) -> None:
+def _stop_waiting(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     """Leave every engine's waiting list, let go of those already ready, disarm the deadline."""
     if m.waiting:
         assert m.req is not None
         core.unwatch(m.request_id, m.req.engine_id, m.waiting)
         m.waiting = 0
-    _let_go(m, core)
+    _let_go(m, core, t_ns)
     _disarm_deadline(m, core)
 
 
@@ -527,7 +529,7 @@ def _notify_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting = 0
     _disarm_deadline(m, core)
     _notify_unread(m, core, ev.t_ns)
-    _let_go(m, core)
+    _let_go(m, core, ev.t_ns)
     core.finished(m, "notified", ev.t_ns)
 
 
@@ -619,7 +621,7 @@ def _drop_bad_layout(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 def _engine_failed(m: ConsumerRequest, ev: EngineFailed, core: Core) -> None:
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed: {ev.error}", ev.remote_fault)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.ready(m)
 
 
@@ -627,14 +629,14 @@ def _engine_failed_notify_only(m: ConsumerRequest, ev: EngineFailed, core: Core)
     _fail(m, f"handshake with {ev.engine_id} pp_rank {ev.pp_rank} failed (ranks not connected are left to "
              f"the producer's lease): {ev.error}", ev.remote_fault)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _timed_out_waiting(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed while waiting for the remote engine", True)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.ready(m)
 
 
@@ -642,13 +644,13 @@ def _timed_out_notify_only(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -
     _fail(m, "deadline passed while waiting for the remote engine (ranks not connected are left to the "
              "producer's lease)", True)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _aborted_waiting(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.ready(m)
 
 
@@ -656,21 +658,21 @@ def _abort_notify_only(m: ConsumerRequest, ev: AbortRequested, core: Core) -> No
     """Nothing was read and the scheduler is not waiting for it: stop, telling the connected
     engines' ranks; the producer's lease releases the rest."""
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.finished(m, "dropped", ev.t_ns)
 
 
 def _quarantine_waiting(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.ready(m)
 
 
 def _quarantine_notify_only(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
     _notify_unread(m, core, ev.t_ns, connected_only=True)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
     core.finished(m, "dropped", ev.t_ns)
 
 
@@ -720,7 +722,7 @@ def _stop_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str
     notified (the producer's lease releases its blocks). The ready engine already forgot it."""
     _fail(m, error, remote_fault)
     m.waiting &= ~(1 << ev.pp_rank)
-    _stop_waiting(m, core)
+    _stop_waiting(m, core, ev.t_ns)
 
 
 def _give_up_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core, error: str) -> None:
@@ -743,7 +745,7 @@ def _last_stopped(m: ConsumerRequest, ev: HandleDone | HandleFailed, core: Core)
     _stopped(m, ev)
     _disarm_deadline(m, core)
     _notify_unread(m, core, ev.t_ns)
-    _let_go(m, core)
+    _let_go(m, core, ev.t_ns)
     core.ready(m)
 
 
@@ -758,7 +760,7 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
         m.deadline = None
     if done != plan.all_read or plan.notify_only:
         _notify_unread(m, core, ev.t_ns)
-    _let_go(m, core)
+    _let_go(m, core, ev.t_ns)
     core.ready(m)
 
 

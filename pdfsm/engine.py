@@ -49,7 +49,7 @@ from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
 if TYPE_CHECKING:
     from pdfsm.core import Core
 
-__all__ = ["TABLE", "EngineState", "RemoteEngine", "validate_reply"]
+__all__ = ["TABLE", "EngineState", "RemoteEngine", "ask_owed_eviction", "pay_drop", "validate_reply"]
 
 
 class EngineState:
@@ -73,6 +73,7 @@ class RemoteEngine:
         "drop_owed",
         "engine_id",
         "error",
+        "evict_owed",
         "host",
         "idle_at",
         "idle_since",
@@ -95,6 +96,7 @@ class RemoteEngine:
         self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
         self.readers = 0  # requests holding it: told it is ready, or reading from it
         self.drop_owed = False  # lost while held: its peer is dropped when the last reader lets go (pay_drop)
+        self.evict_owed = False  # eviction asked while held: asked again when the last reader lets go
         self.reply: HandshakeReply | None = None
         self.started_ns = 0  # its reply's latest rank start (wall clock; 0: none said): read per request
         self.error: HandshakeError | None = None
@@ -175,6 +177,7 @@ def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> boo
 
 def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     pay_drop(m, core)  # handshaken again while a reader of the lost connection still stops: a clean slate
+    m.evict_owed = False  # a new connection: what was owed by the old one is moot
     if not m.attempt:
         # A fresh machine for a key seen before (forgotten since) numbers its attempts above every
         # earlier one's, so a late answer to the forgotten machine's attempt is recognized stale.
@@ -262,6 +265,21 @@ def _ready_now(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
 def _fail_fast(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     m.waiters[ev.request_id] = None
     _tell_waiters(m, core, ev.t_ns)
+
+
+def _owe_eviction(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
+    """Asked to evict while requests still read from it (params that contradict its reply: a
+    producer restarted behind the same engine id and address while an old read drains). It cannot
+    go yet (vLLM PR 54689), but must go as soon as it can: otherwise every request for the
+    restarted producer is refused until one more arrives after the drain (SGLang PR 34289)."""
+    m.evict_owed = True
+
+
+def ask_owed_eviction(m: RemoteEngine, core: Core, t_ns: int) -> None:
+    """The last reader let go of an engine whose eviction was asked while held: ask again now."""
+    if m.evict_owed and not m.readers:
+        m.evict_owed = False
+        core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=m.engine_id, pp_rank=m.pp_rank))
 
 
 def _forget(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
@@ -352,7 +370,8 @@ TABLE: Final[Table] = Table(
         on(
             S.CONNECTED,
             EvictRequested,
-            Ignore("a request still holds it (reading, or about to): not evicted", when=_transfers_in_flight),
+            Go(S.CONNECTED, _owe_eviction, when=_transfers_in_flight,
+               reason="a request still holds it (reading, or about to): evicted when the last one lets go"),
             Go(S.EVICTED, _evict),
         ),
         on(S.CONNECTED, EngineQuarantined, Go(S.FAILED, _quarantine)),

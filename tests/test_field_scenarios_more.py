@@ -225,6 +225,59 @@ def test_smg_issue_2382_producer_restarted_with_a_new_layout_under_the_same_id_i
     assert cons.block(5) == pattern("P-new-0", 2, 32) + pattern("P-new-1", 2, 32)
 
 
+def test_sglang_pr_34289_a_producer_replaced_while_an_old_read_drains_is_read_once_the_drain_ends() -> None:
+    """https://github.com/sgl-project/sglang/pull/34289 (issue 33789) -- a prefill process was
+    replaced behind an address that stayed reachable while the old one still drained; the decode
+    side kept the old process's endpoints and every later request died on its timeout. pdfsm's
+    decode side: connected to P (process P-old) with a slow read in flight, P-new replaces it under
+    the same engine id and port, and the router sends P-new's params. They contradict the cached
+    reply (another incarnation), so the engine is asked to be evicted, which cannot happen while
+    the old read holds it (vLLM PR 54689), and those requests are refused (the documented cost: one
+    connection per engine id and PP rank). Expected: once the old read ends the engine is evicted
+    at once, so the next request handshakes with P-new and reads its bytes. pdfsm ignored the
+    eviction asked while held, so the first request after the drain was refused too (asking
+    again), and with one request at a time none was ever read before the next one came."""
+    net, now = SimNetwork(), [0]
+    old = SimTransport(net, "P-old")
+    old.fill(range(64))
+    p_old = Connector(CoreConfig(engine_id="P", compat_hash="h"), old, SimHandshaker(net), clock=lambda: now[0],
+                      port=9)
+    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(old.rank_info(),)))
+    cons = SimTransport(net, "D-0", block_bytes=64)
+    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), cons, SimHandshaker(net), clock=lambda: now[0])
+    net.script("d-old", 0, 0, ReadScript(polls=6))  # still reading when P-new takes over
+    d.load("d-old", [1], p_old.request_finished("p-old", [1]))
+    for _ in range(3):
+        d.get_finished()  # handshaken with P-old, the read posted
+    assert d.core.consumers["d-old"].state.name == "READING"
+    new = SimTransport(net, "P-new")
+    new.fill(range(64))
+    p_new = Connector(CoreConfig(engine_id="P", compat_hash="h"), new, SimHandshaker(net), clock=lambda: now[0],
+                      port=9)
+    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(new.rank_info(),)))
+    outcome: dict[str, str] = {}
+
+    def step() -> None:
+        now[0] += 1_000_000_000
+        got = d.get_finished()[1]
+        failed = {f.request_id for f in d.last.failed}
+        outcome.update(dict.fromkeys(failed, "failed") | dict.fromkeys(got - failed, "received"))
+        p_new.get_finished()
+        p_old.get_finished()
+
+    d.load("d0", [5], p_new.request_finished("q0", [2]))  # during the drain: refused, eviction owed
+    while "d-old" not in outcome:
+        step()
+    assert outcome == {"d0": "failed", "d-old": "received"}
+    assert ("P", 0) not in d.core.engines, "the owed eviction waited for another contradicting request"
+    d.load("d1", [6], p_new.request_finished("q1", [3]))
+    for _ in range(4):
+        step()
+    assert outcome["d1"] == "received"
+    assert cons.block(6) == pattern("P-new", 3, 64)
+    assert "q1" not in p_new.core.producers, "P-new's hold of d1 is released by its notification"
+
+
 # --- preemption, duplicates and lost notifications ---------------------------------------------------
 
 

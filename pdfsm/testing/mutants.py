@@ -106,7 +106,7 @@ def _read_done_local_id(m: C.ConsumerRequest, ev: HandleDone, core: Core) -> Non
                                    notification=Notification(m.request_id, plan.part, plan.of)))
     m.done |= m.pending
     m.pending = 0
-    C._let_go(m, core)
+    C._let_go(m, core, ev.t_ns)
     C._disarm_deadline(m, core)
     core.ready(m)
 
@@ -120,7 +120,7 @@ _MLA_LOCAL_ID = _consumer("mla-local-id", on(C.S.READING, HandleDone,
 
 
 def _engine_failed_fatal(m: C.ConsumerRequest, ev: EngineFailed, core: Core) -> None:
-    C._stop_waiting(m, core)
+    C._stop_waiting(m, core, ev.t_ns)
     core.emit(HandOff(request_id=m.request_id, outcome="failed", invalid_blocks=m.local_blocks, policy="fail",
                       reason="engine dead"))
     core.finished(m, "failed", ev.t_ns)
@@ -178,7 +178,7 @@ _WAITERS_FORGOTTEN = _engine("waiters-forgotten", on(E.S.HANDSHAKING, HandshakeF
 def _fail_at_once(m: C.ConsumerRequest, ev: HandleFailed, core: Core) -> None:
     C._stopped(m, ev)
     m.pending = 0  # the bug: siblings forgotten while they still write
-    C._let_go(m, core)
+    C._let_go(m, core, ev.t_ns)
     C._disarm_deadline(m, core)
     core.ready(m)
 
@@ -191,7 +191,7 @@ _FIRST_FAILURE_RELEASES = _consumer("first-failure-releases", on(
 
 def _abort_now(m: C.ConsumerRequest, ev: AbortRequested, core: Core) -> None:
     m.pending = 0  # the bug: the read in flight is forgotten
-    C._let_go(m, core)
+    C._let_go(m, core, ev.t_ns)
     C._disarm_deadline(m, core)
     core.ready(m)
 
@@ -266,7 +266,7 @@ def _notify_and_report(m: C.ConsumerRequest, ev: ReadRequested, core: Core) -> N
 
 def _notify_and_report_when_ready(m: C.ConsumerRequest, ev: EngineReady, core: Core) -> None:
     m.waiting = 0
-    C._let_go(m, core)
+    C._let_go(m, core, ev.t_ns)
     C._disarm_deadline(m, core)
     C._notify_unread(m, core, ev.t_ns)
     core.ready(m)  # the bug
