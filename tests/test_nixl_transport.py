@@ -539,6 +539,36 @@ def test_a_raising_poll_whose_release_nixl_refuses_as_active_is_polled_until_it_
     assert [type(e) for e in pair.outcomes()] == [HandleDone] and not pair.d.reads
 
 
+def test_a_transfer_that_raises_while_nixl_refuses_its_release_as_active_is_polled_until_it_ends(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario: NIXL's `transfer()` raises part-way (UCX posts a READ's GETs one by one; a
+    maintainer, ai-dynamo/nixl issue 2067: late writes are possible) and the release NIXL is asked
+    for is refused as still active (REPOST_ACTIVE). Expected: the read is accepted and polled until
+    NIXL lets it go, as for a cancel NIXL refuses; its blocks are never handed back while a GET may
+    still write them (vLLM PRs 56104, 32255). Before: post_read raised, the Connector reported a
+    set-up failure at once and the local blocks went back to the scheduler for reuse."""
+    errors = import_nixl().nixlBind
+    agent = pair.d.agent
+
+    def still_active(_: Any) -> None:
+        raise errors.nixlRepostActiveError("NIXL_ERR_REPOST_ACTIVE")
+
+    def raises_part_way(handle: Any, *args: Any) -> str:
+        agent.__class__.transfer(agent, handle, *args)
+        monkeypatch.setattr(type(handle), "release", still_active)
+        raise errors.nixlBackendError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(agent, "transfer", raises_part_way)
+    monkeypatch.setattr(agent, "check_xfer_state", lambda h: "PROC")
+    pair.read("r")  # accepted: no TransportError
+    for _ in range(3):
+        pair.d.progress()
+    assert not pair.outcomes() and pair.d.reads[("r", 0, 0)].held
+    monkeypatch.undo()  # NIXL lets go: the next poll ends it
+    pair.pump(lambda: bool(pair.outcomes()))
+    assert [type(e) for e in pair.outcomes()] == [HandleDone] and not pair.d.reads
+
+
 def test_rank_metadata_is_typed_msgpack(pair: Pair) -> None:
     info = pair.p.rank_info()
     meta = decode_rank_metadata(info.metadata)

@@ -518,13 +518,33 @@ class NixlTransport:
         try:
             state = self.agent.transfer(handle)
         except Exception as exc:
-            _release(handle, "transfer handle")
+            # UCX posts a READ's GETs one by one and may fail part-way: if NIXL refuses the release
+            # as still active, some may still write into our blocks, so the read is accepted and
+            # polled until NIXL lets it go (the cancel rule), never reported as not started.
+            if not self._released(handle):
+                read = self.reads[key] = _Read(cmd, peer, handle, "PROC")
+                read.held = True
+                peer.reads += 1
+                _log.warning("read %s: transfer raised %s: %s, and NIXL refused to release it; polling until "
+                             "it ends", cmd.request_id, type(exc).__name__, exc)
+                return
             if isinstance(exc, self._errors["lost"]):
                 self._lost_at_post(cmd, peer, exc)
                 return
             raise
         self.reads[key] = _Read(cmd, peer, handle, state)
         peer.reads += 1
+
+    def _released(self, handle: Any) -> bool:
+        """Release a transfer handle; False when NIXL refuses because the transfer still runs
+        (REPOST_ACTIVE). Any other failure is logged: NIXL frees a leaked handle with the agent."""
+        try:
+            handle.release()
+        except self._errors["active"]:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            _log.warning("releasing a transfer handle failed: %s: %s", type(exc).__name__, exc)
+        return True
 
     def _lost_at_post(self, cmd: PostRead, peer: _Peer, exc: BaseException) -> None:
         """The peer went away before the read could start: the read is accepted and ends
@@ -634,16 +654,12 @@ class NixlTransport:
         # unreleased one leaks UCX requests, so it is released; a release that raises is logged.
         # One NIXL refuses as still active (REPOST_ACTIVE) may still be writing into our blocks:
         # as for a cancel NIXL refuses, the read is polled again, never reported stopped before.
-        try:
-            read.handle.release()
-        except self._errors["active"] as refused:
+        if not self._released(read.handle):
             if not read.held:
                 read.held = True
-                _log.warning("read %s: poll raised %s and NIXL refused to release it (%s); polling until it "
-                             "ends", read.cmd.request_id, detail, refused)
+                _log.warning("read %s: poll raised %s and NIXL refused to release it; polling until it ends",
+                             read.cmd.request_id, detail)
             return
-        except Exception as rexc:  # noqa: BLE001 - NIXL keeps a leaked handle and frees it with the agent
-            _log.warning("releasing a transfer handle failed: %s: %s", type(rexc).__name__, rexc)
         read.handle = None
         if isinstance(exc, self._errors["disconnect"]):
             self._gone(read, detail)
