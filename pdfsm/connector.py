@@ -248,8 +248,8 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     _check_int("block_size", cfg.block_size, low=1, high=MAX_BLOCK_SIZE)
     for name in ("read_timeout_ns", "lease_ns"):
         _check_int(name, getattr(cfg, name), low=1)
-    for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "tombstones", "tombstone_ns",
-                 "idle_engine_ns", "hold_skew_ns"):
+    for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "handshake_timeout_ns", "tombstones",
+                 "tombstone_ns", "idle_engine_ns", "hold_skew_ns"):
         _check_int(name, getattr(cfg, name), low=0)
     for name in ("mla", "supports_pp", "strict"):
         if type(getattr(cfg, name)) is not bool:

@@ -46,6 +46,7 @@ from pdfsm.events import (
     EngineWanted,
     Event,
     EvictRequested,
+    HandshakeFailed,
     LeaseExpired,
     Quarantined,
     Reported,
@@ -190,6 +191,7 @@ class Core:
         self._tombstone_ns = config.tombstone_ns or 2 * max(config.lease_ns, config.read_timeout_ns)
         self._forget_engine_ns = max(self._tombstone_ns, config.handshake_retry_ns)  # never before a retry
         self._idle_engine_ns = config.idle_engine_ns
+        self._handshake_timeout_ns = config.handshake_timeout_ns or 2 * config.read_timeout_ns
         # The latest time a core event (a Tick, a Collect) brought: what the core knows the time is
         # at least, whatever older stamp a late event carries from another thread.
         self.latest_t_ns = t_ns
@@ -390,8 +392,11 @@ class Core:
                 period = self._idle_engine_ns
             elif e.state is engine.S.FAILED or e.state is engine.S.DISCONNECTED:
                 period = self._forget_engine_ns
-            else:
-                continue  # a handshake runs: its outcome arms the timer again
+            else:  # a handshake attempt still unanswered (handshake_started armed the timer)
+                self.derive(HandshakeFailed(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank,
+                                            attempt=e.attempt, error="no answer within handshake_timeout_ns "
+                                            f"({self._handshake_timeout_ns / 1e9:g} s)"))
+                continue
             if now < e.idle_since + period:
                 self._arm_idle(e, e.idle_since + period)  # used since
             elif e.readers or e.waiters:
@@ -437,6 +442,14 @@ class Core:
         elif e.idle_at is not None:
             self.idle.disarm(f"{e.pp_rank}:{e.engine_id}", e.idle_at)
             e.idle_at = None
+
+    def handshake_started(self, e: engine.RemoteEngine, t_ns: int) -> None:
+        """Bound a handshake attempt by ``handshake_timeout_ns``: a handshaker that never answers
+        one must not leave the engine handshaking for ever, every later request joining it and
+        timing out (SGLang PR 34692). Twice the read timeout by default, so a slow answer still
+        connects the engine for the requests after the one that gave up on it."""
+        e.idle_since = t_ns
+        self._arm_idle(e, t_ns + self._handshake_timeout_ns)
 
     def _arm_idle(self, e: engine.RemoteEngine, at: int) -> None:
         """One idle timer per engine: the one armed before is disarmed."""

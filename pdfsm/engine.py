@@ -186,6 +186,7 @@ def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     m.host, m.port = ev.host, ev.port
     m.error = None
     m.waiters[ev.request_id] = None
+    core.handshake_started(m, ev.t_ns)
     core.emit(StartHandshake(engine_id=m.engine_id, pp_rank=m.pp_rank, attempt=m.attempt, host=ev.host, port=ev.port))
 
 

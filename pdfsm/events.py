@@ -123,6 +123,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     lease_margin_ns: int = 1_000_000_000  # a consumer stops trusting reads this long before the lease ends
     max_staged: int = 4096
     handshake_retry_ns: int = 1_000_000_000
+    # A handshake attempt unanswered this long is failed by the core (a handshaker need not
+    # promise an answer). 0: twice the read timeout.
+    handshake_timeout_ns: int = 0
     # A connected engine nobody has read from this long is evicted (its transport peer dropped):
     # producers restart under new engine ids, and the old ones never say goodbye. 0: never.
     # An hour, as vLLM's TTL for remote agents.

@@ -261,8 +261,9 @@ def test_deadline_passing_while_handshaking_is_reported_once_and_the_late_handsh
     """decisions.md "A handshake completing after the read timeout still starts no read": the
     request is failed at its deadline (reported once, recompute, its blocks invalid that step), the
     handshake that completes later wakes nobody, no read is posted for it, and the engine then
-    serves the next request."""
-    w = World(read_timeout_ns=5 * US)
+    serves the next request (a handshake unanswered past handshake_timeout_ns would be failed:
+    here the answer comes before that)."""
+    w = World(read_timeout_ns=5 * US, handshake_timeout_ns=50 * US)
     w.producer("P", "P", 9)
     w.net.handshake_polls = 12
     w.load("slow", [7], w.params("P", "ps", [1]))

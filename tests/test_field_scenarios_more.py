@@ -34,6 +34,7 @@ from pdfsm.events import (
     HandleFailure,
     HandshakeDone,
     NotificationReceived,
+    PeerAdded,
     Tick,
 )
 from pdfsm.fsm import Fault
@@ -276,6 +277,32 @@ def test_sglang_pr_34289_a_producer_replaced_while_an_old_read_drains_is_read_on
     assert outcome["d1"] == "received"
     assert cons.block(6) == pattern("P-new", 3, 64)
     assert "q1" not in p_new.core.producers, "P-new's hold of d1 is released by its notification"
+
+
+def test_sglang_pr_34692_a_handshake_attempt_never_answered_is_failed_by_the_core_and_retried() -> None:
+    """https://github.com/sgl-project/sglang/pull/34692 -- a bootstrap with no timeout: a peer that
+    never answered kept the transfer waiting for ever. pdfsm's side-channel handshaker bounds each
+    attempt, but the Handshaker protocol does not promise an answer. Scenario: attempt 1 is never
+    answered. Expected: the core fails it after `handshake_timeout_ns` (twice the read timeout by
+    default), so the next request starts attempt 2 and reads, and a late answer
+    to attempt 1 is ignored as stale. Before: the engine stayed HANDSHAKING at attempt 1 for ever
+    and every later request joined it and failed at its own deadline."""
+    core = make_core(strict=False, read_timeout_ns=10, handshake_retry_ns=1)
+    core.apply(read("d1", t=0))
+    assert [c.attempt for c in core.take_commands() if isinstance(c, StartHandshake)] == [1]
+    tick(core, 10)  # d1's deadline
+    assert [h.outcome for h in collect(core, 10) if isinstance(h, HandOff)] == ["failed"]
+    assert core.engines[("P", 0)].state.name == "HANDSHAKING"  # a slow answer may still come
+    tick(core, 20)  # handshake_timeout_ns: by default twice the read timeout
+    assert core.engines[("P", 0)].state.name == "FAILED"
+    core.apply(read("d2", t=30))
+    assert [c.attempt for c in core.take_commands() if isinstance(c, StartHandshake)] == [2]
+    core.apply(ev(HandshakeDone, 31, engine_id="P", pp_rank=0, attempt=1, reply=reply()))  # attempt 1, late
+    assert core.engines[("P", 0)].state.name == "HANDSHAKING"
+    core.apply(ev(HandshakeDone, 32, engine_id="P", pp_rank=0, attempt=2, reply=reply()))
+    core.apply(ev(PeerAdded, 32, engine_id="P", pp_rank=0, attempt=2))
+    assert core.consumers["d2"].state.name == "READING"
+    assert not core.violations[Fault.LOCAL]
 
 
 # --- preemption, duplicates and lost notifications ---------------------------------------------------

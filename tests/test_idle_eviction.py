@@ -427,7 +427,8 @@ def test_timer_firing_while_a_handshake_runs_evicts_nothing_and_its_outcome_arms
     core.apply(read("r", t=t0 + f - 1))
     (start,) = [c for c in core.take_commands() if isinstance(c, StartHandshake)]
     tick(core, t0 + f)
-    assert state(core) is engine.S.HANDSHAKING and armed(core, ("P", 0)) == []
+    # Only the attempt's own bound (handshake_timeout_ns: twice the read timeout) stays armed.
+    assert state(core) is engine.S.HANDSHAKING and armed(core, ("P", 0)) == [t0 + f - 1 + 20 * IDLE * k]
     core.apply(ev(HandshakeDone, t0 + f + 1, engine_id="P", pp_rank=0, attempt=start.attempt, reply=reply("P")))
     tick(core, t0 + f + 1)  # a Tick while CONNECTING
     assert state(core) is engine.S.CONNECTING
@@ -462,7 +463,8 @@ def test_reconnected_engine_has_one_timer_and_the_old_connections_timer_never_ev
     assert drops(core.take_commands()) and armed(core, ("P", 0)) == [60 * k]
     core.apply(read("r", t=30 * k))
     (start,) = [c for c in core.take_commands() if isinstance(c, StartHandshake)]
-    assert armed(core, ("P", 0)) == [60 * k]
+    bound = 2 * core.config.read_timeout_ns  # handshake_timeout_ns's default: the attempt's bound
+    assert armed(core, ("P", 0)) == [30 * k + bound]
     hs(core, attempt=start.attempt, t=30 * k)
     assert armed(core, ("P", 0)) == [30 * k + IDLE * k] and len(core.idle) == 1
     core.apply(ev(HandleDone, 30 * k, request_id="r", pp_rank=0, tp_rank=0))
