@@ -253,8 +253,10 @@ def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """Nothing to read and the lease known to be over (past the trust bound, so also with the
     clocks' skew): the producer releases by itself; a notification now would reach it after its
-    release and look like a read of reused blocks (vLLM PR 41269's late rejection notices)."""
-    return not ev.local_blocks and ev.lease_ns > 0 and times_of(ev, core)[1] <= ev.t_ns
+    release and look like a read of reused blocks (vLLM PR 41269's late rejection notices).
+    Judged at the latest time the core has applied, not the request's stamp: a request stamped
+    before a Tick past the lease but applied after it would otherwise notify a released hold."""
+    return not ev.local_blocks and ev.lease_ns > 0 and times_of(ev, core)[1] <= max(ev.t_ns, core.latest_t_ns)
 
 
 def _lease_ended(m: ConsumerRequest, t_ns: int) -> bool:
@@ -285,6 +287,18 @@ def _disagrees(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 
 def _disagrees_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     return m.req is not None and disagreement(m.req, core) is not None
+
+
+def _read_past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    """A read's deadline passed (its Tick not applied yet): it fails now, before another stage is
+    handshaken again for it (notify-only requests have their own options)."""
+    return m.req is not None and bool(m.req.local_blocks) and _past_deadline(m, ev, core)
+
+
+def _read_disagrees_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
+    """A read's params contradict a handshake reply: refused now, before another stage is
+    handshaken again for it."""
+    return m.req is not None and bool(m.req.local_blocks) and _disagrees_when_ready(m, ev, core)
 
 
 def _disagrees_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -467,8 +481,8 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
         elif not (m.waiting >> pp) & 1:
             m.waiting |= 1 << pp
             core.watch(m.request_id, key, req.host, req.port, t_ns)  # now: retry pauses are judged by it
-            if e is not None and e.state is ENGINE_FAILED and t_ns < e.retry_at:
-                break  # it fails the request at once: news from a second would reach it ended
+            if e is not None and e.state is ENGINE_FAILED and t_ns < e.retry_at and not e.elsewhere(req.host, req.port):
+                break  # it fails the request at once (engine._retry_later): news from a second would reach it ended
     m.waited |= m.waiting
 
 
@@ -877,11 +891,11 @@ TABLE: Final[Table] = Table(
                reason="the params contradict the producer's handshake reply; producer left to its lease",
                explain=_why),
             Go(S.RELEASED, _drop_lease_over_when_ready, when=_lease_over_notify_only_when_ready),
+            Go(S.FAILED, _timed_out_ready, when=_read_past_deadline),
+            Go(S.FAILED, _refused_when_ready, when=_read_disagrees_when_ready, fault=remote,
+               reason="the params contradict the producer's handshake reply", explain=_why),
             Go(S.HANDSHAKING, _rewatch_lost, when=_held_engine_lost),
             Go(S.RELEASED, _notify_when_ready, when=_nothing_to_read),
-            Go(S.FAILED, _timed_out_ready, when=_past_deadline),
-            Go(S.FAILED, _refused_when_ready, when=_disagrees_when_ready, fault=remote,
-               reason="the params contradict the producer's handshake reply", explain=_why),
             Go(S.READING, _all_engines_ready),
         ),
         on(

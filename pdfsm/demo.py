@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if args.log_dir is not None:
         refused = clear_demo_logs(Path(args.log_dir))
         if refused:
-            print(f"demo: {refused}")
+            print(f"demo: {refused}", file=sys.stderr)
             return 2
     net, clock = SimNetwork(), _Clock()
     if args.fault:

@@ -224,7 +224,13 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 
 
 def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
+    """Promises of one hold merge; of two holds of a reused id, only the later hold's stands (its
+    hold is the one to come: a late heartbeat of the earlier one must not pin it for an hour)."""
     promised = ev.t_ns + ev.extend_ns
+    if _apart(m.promised_for, ev.issued_wall_ns, core):
+        if ev.issued_wall_ns < m.promised_for:
+            return
+        m.extended_to = None
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
     core.promise(m)

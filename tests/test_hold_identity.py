@@ -196,6 +196,24 @@ def test_a_late_heartbeat_of_an_earlier_hold_does_not_extend_a_new_hold(when: st
     assert core.producers["px"].deadline == 50 + 9 * S
 
 
+@pytest.mark.parametrize("order", ["new-then-old", "old-then-new"])
+def test_a_late_heartbeat_staged_beside_the_new_hold_s_own_does_not_extend_it(order: str) -> None:
+    """Scenario: before the hold registers, this hold's heartbeat (2 s) and a late one of the
+    earlier hold of the id (1 h) are both staged, in either order; then the hold registers.
+    Expected: only this hold's promise stands (deadline 10+2 s or 20+2 s, past its 1 s lease).
+    Before: the two promises merged under the later issue time, so the hour stayed (found by
+    review)."""
+    core = producer(lease_ns=1 * S)
+    beats = [(NEW, 2 * S), (OLD, 3600 * S)]
+    if order == "old-then-new":
+        beats.reverse()
+    for t, (issued, extend) in zip((10, 20), beats, strict=True):
+        beat(core, t, issued, extend=extend)
+    hold(core, 30, NEW)
+    own = 10 if order == "new-then-old" else 20
+    assert core.producers["px"].deadline == own + 2 * S
+
+
 def test_a_heartbeat_says_its_hold_on_the_wire_and_an_older_one_still_decodes() -> None:
     import msgspec
 

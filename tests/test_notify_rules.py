@@ -448,3 +448,69 @@ def test_a_notify_only_request_whose_layout_cannot_be_planned_is_dropped_not_han
     assert not [c for c in core.take_commands() if isinstance(c, (HandOff, SendNotification, StartHandshake))]
     (rec,) = [r for r in core.log.records() if r.machine == "consumer"]
     assert rec.state == "RELEASED" and rec.fault is Fault.LOCAL and "layouts" in rec.reason
+
+
+def test_a_notify_only_request_stamped_before_a_tick_past_its_lease_sends_nothing_on_a_connected_engine() -> None:
+    """Scenario: the engine is connected; a Tick at 5000 has been applied; then a notify-only
+    request stamped 0 (lease 1000 from 0, margin 100: trust bound 900) is applied. Expected:
+    nothing is sent: a notice is judged at the latest time the core has applied (decisions.md,
+    "Events are judged in the order they are applied"), and the producer released the hold at
+    1000, so a notice now would record a false "read may have seen reused blocks" there (vLLM PR
+    41269). Before: judged at its own stamp, it went to the producer; the path through a
+    handshake already sent nothing."""
+    core = make_core(strict=False, lease_margin_ns=100)
+    core.apply(read("warm-up"))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
+    core.apply(ev(PeerAdded, engine_id="P", pp_rank=0, attempt=1))
+    core.apply(ev(HandleDone, request_id="warm-up", pp_rank=0, tp_rank=0))
+    core.apply(ev(Tick, 5000))
+    core.take_commands()
+    core.apply(read("r", t=0, blocks=(), lease_ns=1000, lease_start_ns=0))
+    assert not [c for c in core.take_commands() if isinstance(c, SendNotification)]
+    assert "r" not in core.consumers  # dropped, never reported
+
+
+@pytest.mark.parametrize("stage1", ["after-the-deadline", "contradicting"])
+def test_a_read_whose_lost_stage_is_found_past_its_deadline_or_contradicted_fails_without_a_handshake(
+        stage1: str) -> None:
+    """Scenario: a read from a PP-2 producer; stage 0 connects, then is lost; stage 1 becomes ready
+    after the read's deadline (before its Tick), or with a reply that contradicts the params (TP
+    2 against TP 1). Expected: the read fails at once and no handshake starts for stage 0 (the
+    read twin of the notify-only rule above). Before: stage 0 was handshaken again first, the
+    request kept waiting until the Tick, or until stage 0 reconnected to report the
+    contradiction."""
+    lease, margin = 10_000, 100
+    core = make_core(strict=False, lease_margin_ns=margin, read_timeout_ns=10**15)
+    core.apply(read("r", remote_pp=2, remote_tp=1, lease_ns=lease))
+
+    def connect(pp: int, t: int, tp_size: int = 1) -> None:
+        core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=pp, attempt=1,
+                      reply=reply("P", tp_size=tp_size, pp_rank=pp, pp_size=2, num_blocks=64)))
+        core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=pp, attempt=1))
+
+    connect(0, 0)
+    core.apply(ev(PeerDisconnected, 100, engine_id="P", pp_rank=0, attempt=1))
+    core.take_commands()
+    if stage1 == "after-the-deadline":
+        connect(1, lease - margin + 1)
+    else:
+        connect(1, 200, tp_size=2)
+    assert not [c for c in core.take_commands() if isinstance(c, StartHandshake)]
+    assert core.consumers["r"].state.name == "FAILED"
+
+
+def test_a_producer_that_moved_within_the_retry_pause_has_every_pp_stage_handshaken_at_once() -> None:
+    """Scenario: both stages of a PP-2 producer fail their handshake at port 9; within the retry
+    pause a request names port 10 (the producer moved). Expected: both stages are handshaken at
+    port 10 at once (the pause holds only for the address that failed, engine._retry_later).
+    Before: the watch loop stopped at stage 0 as if it would fail fast, so stage 1 was handshaken
+    only after stage 0 answered: handshake latency doubled."""
+    core = make_core(strict=False, handshake_retry_ns=10**9)
+    core.apply(read("a", remote_pp=2, port=9))
+    for pp in (0, 1):
+        core.apply(ev(HandshakeFailed, 10, engine_id="P", pp_rank=pp, attempt=1, error="refused"))
+    core.apply(ev(CollectEv, 20, step=1))
+    core.take_commands()
+    core.apply(read("b", remote_pp=2, port=10, t=100))
+    started = sorted((c.pp_rank, c.port) for c in core.take_commands() if isinstance(c, StartHandshake))
+    assert started == [(0, 10), (1, 10)]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import collect, ev, make_core, notes, read, reply, run_cli, stop_while_handshaking
 
-from pdfsm.commands import HandOff, PostRead
+from pdfsm.commands import HandOff, PostRead, StartHandshake
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.errors import InvalidInput
 from pdfsm.events import (
@@ -287,8 +287,8 @@ def test_heartbeat_with_params_of_a_dead_incarnation_is_not_sent_to_its_successo
 def test_fresh_params_refused_while_a_read_holds_the_stale_engine_then_rehandshaken() -> None:
     """Pin: a cached reply from before the restart, a read to the old agent still in flight (it
     holds the engine, so eviction is refused); fresh params meet the stale reply and fail before any
-    read. Once the old read fails (the agent is gone) the engine is dropped and the next fresh
-    request handshakes afresh and reads."""
+    read. Once the old read fails (the agent is gone) the engine is evicted (the eviction was owed)
+    and the next fresh request handshakes afresh and reads."""
     core = make_core()
     core.apply(read("r1", incarnation="A"))
     ranks = (RankInfo(pp_rank=0, tp_rank=0, agent="P-0-0", incarnation="A"),)
@@ -303,11 +303,13 @@ def test_fresh_params_refused_while_a_read_holds_the_stale_engine_then_rehandsha
                   detail="agent gone"))
     core.apply(ev(PeerDisconnected, 30, engine_id="P", pp_rank=0, attempt=1, detail="agent gone"))
     core.take_commands()
+    assert ("P", 0) not in core.engines  # the eviction r2 asked for, owed until r1 let go
     core.apply(read("r3", incarnation="B", t=40))
     assert core.consumers["r3"].state.name == "HANDSHAKING"
+    (start,) = [c for c in core.take_commands() if isinstance(c, StartHandshake)]
     ranks = (RankInfo(pp_rank=0, tp_rank=0, agent="P-0-0b", incarnation="B"),)
-    core.apply(ev(HandshakeDone, 50, engine_id="P", pp_rank=0, attempt=2, reply=reply("P", ranks=ranks)))
-    core.apply(ev(PeerAdded, 50, engine_id="P", pp_rank=0, attempt=2))
+    core.apply(ev(HandshakeDone, 50, engine_id="P", pp_rank=0, attempt=start.attempt, reply=reply("P", ranks=ranks)))
+    core.apply(ev(PeerAdded, 50, engine_id="P", pp_rank=0, attempt=start.attempt))
     assert any(isinstance(c, PostRead) and c.request_id == "r3" for c in core.take_commands())
 
 
