@@ -4,7 +4,8 @@ Usage: ``enginesync_votes_rank.py STORE RANK WORLD OUT SHORT_S``. Every rank run
 scenarios in the same order; each has its own group with a short timeout, and a world barrier
 (long timeout) separates scenarios, so a rank that raised alone cannot pair its next collective
 with a peer still stuck in the previous one. Outcomes go to OUT as JSON after each scenario
-(nothing pickled), so a rank that dies still leaves what it saw.
+(nothing pickled), so a rank that dies still leaves what it saw. The last scenario kills rank 2
+inside the sync, so it runs without the barrier and the ranks leave with os._exit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from pdfsm.errors import InvalidInput
 ODD_ID = "\0" + "é" * 252 + "\0x\0"
 assert len(ODD_ID) == 256 and len(ODD_ID.encode()) == 508
 SURROGATE_ID = "host-\udcff-engine"  # what os.fsdecode gives for a non-UTF-8 hostname byte
+HUGE = 10**5000  # over Python's 4300-digit limit for str(int): a big hash folded into an int, say
+
+
+class BadRepr:
+    """A layout field whose repr() raises: it cannot be digested."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
 
 
 def main(store: str, rank: int, size: int, out: str, short_s: float) -> None:
@@ -34,12 +43,13 @@ def main(store: str, rank: int, size: int, out: str, short_s: float) -> None:
                             timeout=timedelta(seconds=25))
     short = timedelta(seconds=short_s)
     names = ["odd_bytes_src2", "surrogate_on_rank1", "fp_mod_2_62", "fp_numpy", "engine_config_src1",
-             "hpu_on_rank2", "meta_on_rank1", "after"]
+             "hpu_on_rank2", "meta_on_rank1", "fp_huge_on_rank1", "fp_huge_everywhere", "layout_huge_on_rank1",
+             "layout_bad_repr_on_rank2", "numpy_src1", "after", "die_before_broadcast"]
     groups = {n: dist.new_group(list(range(size)), timeout=short) for n in names}
     own = f"review-engine-rank{rank}"
     results: dict[str, dict[str, Any]] = {}
 
-    def attempt(name: str, call: Callable[[], Any]) -> None:
+    def attempt(name: str, call: Callable[[], Any], barrier: bool = True) -> None:
         start = time.monotonic()
         try:
             got = call()
@@ -52,7 +62,8 @@ def main(store: str, rank: int, size: int, out: str, short_s: float) -> None:
         with open(tmp, "w") as f:
             json.dump(results, f)
         os.replace(tmp, out)
-        dist.barrier()  # world group, long timeout: every rank leaves the scenario before the next
+        if barrier:
+            dist.barrier()  # world group, long timeout: every rank leaves the scenario before the next
 
     g = groups
     attempt("odd_bytes_src2", lambda: sync_engine_id(ODD_ID if rank == 2 else own, g["odd_bytes_src2"], src=2))
@@ -72,8 +83,29 @@ def main(store: str, rank: int, size: int, out: str, short_s: float) -> None:
     # A device that node lacks: Intel Gaudi ("hpu") without its plugin, and the meta device.
     attempt("hpu_on_rank2", lambda: sync_engine_id(own, g["hpu_on_rank2"], device="hpu" if rank == 2 else None))
     attempt("meta_on_rank1", lambda: sync_engine_id(own, g["meta_on_rank1"], device="meta" if rank == 1 else None))
+    # Integers past 4300 digits (str() refuses them): as the fingerprint on one rank, on every rank,
+    # and as engine_config's block_size on one rank; then a layout field whose repr() raises.
+    attempt("fp_huge_on_rank1", lambda: sync_engine_id(own, g["fp_huge_on_rank1"],
+                                                       fingerprint=HUGE if rank == 1 else 0))
+    attempt("fp_huge_everywhere", lambda: sync_engine_id(own, g["fp_huge_everywhere"], fingerprint=HUGE))
+    attempt("layout_huge_on_rank1", lambda: engine_config(own, group=g["layout_huge_on_rank1"], tp_rank=rank,
+                                                          tp_size=size, block_size=HUGE if rank == 1 else 16).engine_id)
+    attempt("layout_bad_repr_on_rank2", lambda: engine_config(own, group=g["layout_bad_repr_on_rank2"], tp_rank=rank,
+                                                              compat_hash=BadRepr() if rank == 2 else "h").engine_id)
+    attempt("numpy_src1", lambda: sync_engine_id(own, g["numpy_src1"], src=np.int64(1)))
     attempt("after", lambda: sync_engine_id(own, g["after"], src=1))
-    dist.destroy_process_group()
+
+    # Last: rank 2 (not the source) dies after the vote, before the broadcast.
+    real_broadcast = dist.broadcast
+
+    def broadcast(*args: Any, **kwargs: Any) -> Any:
+        if rank == 2:
+            os._exit(0)
+        return real_broadcast(*args, **kwargs)
+
+    dist.broadcast = broadcast
+    attempt("die_before_broadcast", lambda: sync_engine_id(own, g["die_before_broadcast"]), barrier=False)
+    os._exit(0)  # no destroy_process_group: the world lost a rank
 
 
 if __name__ == "__main__":

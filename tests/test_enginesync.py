@@ -18,6 +18,7 @@ machine with a typed EngineIdMismatch; with it, both decode ranks read their blo
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -25,14 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 from enginesync_rank import LONGEST, Outcome
 
 from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.engine import EngineState
-from pdfsm.enginesync import engine_config, new_engine_id, sync_engine_id
-from pdfsm.errors import EngineIdMismatch, InvalidInput
+from pdfsm.enginesync import (
+    MAX_ID_BYTES,
+    _digest,
+    _layout_fingerprint,
+    _unpack,
+    engine_config,
+    new_engine_id,
+    sync_engine_id,
+)
+from pdfsm.errors import EngineIdMismatch, EngineSyncError, InvalidInput
 from pdfsm.events import CoreConfig, HandshakeReply
 from pdfsm.fsm import Fault
 from pdfsm.log import Outcome as LogOutcome
@@ -278,3 +288,47 @@ def test_importing_pdfsm_does_not_import_torch() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
+
+
+HUGE = 10**5000  # str() refuses integers over 4300 digits
+
+
+def test_integers_of_any_size_are_digested_by_value() -> None:
+    """Scenario: fingerprints over Python's 4300-digit str() limit. Expected: a digest, which tells
+    n, n + 1 and -n apart. Before: str(n) raised ValueError, before the vote, on that rank only."""
+    digests = {_digest(HUGE), _digest(HUGE + 1), _digest(-HUGE), _digest(0), _digest(-1), _digest(1 << 62)}
+    assert len(digests) == 6 and all(0 <= d < 1 << 62 for d in digests)
+
+
+def test_the_layout_digest_takes_integers_by_value_and_says_why_it_cannot_be_taken() -> None:
+    """Scenario: layout fields with an integer over 4300 digits, a numpy integer, a repr() that
+    raises. Expected: a digest for the first two (numpy's 16 counts as 16), and for the last the
+    reason naming the field (voted as refused, never raised). Before: ValueError from repr() of
+    the huge one and the RuntimeError of the bad repr, before the vote; np.int64(16) != 16."""
+
+    class BadRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    base = _layout_fingerprint({"block_size": 16})
+    assert isinstance(base, int) and base == _layout_fingerprint({})
+    assert _layout_fingerprint({"block_size": np.int64(16)}) == base
+    huge = _layout_fingerprint({"block_size": HUGE})
+    assert isinstance(huge, int) and huge not in {base, _layout_fingerprint({"block_size": HUGE + 1})}
+    assert _layout_fingerprint({"compat_hash": "16"}) != _layout_fingerprint({"compat_hash": 16})
+    why = _layout_fingerprint({"compat_hash": BadRepr()})
+    assert isinstance(why, str) and "compat_hash cannot be compared" in why and "no repr" in why
+
+
+@pytest.mark.parametrize(("buffer", "says"), [
+    (bytes(4 + MAX_ID_BYTES), "length of 0 bytes"),
+    (struct.pack("!I", MAX_ID_BYTES + 1) + bytes(MAX_ID_BYTES), f"length of {MAX_ID_BYTES + 1} bytes"),
+    (struct.pack("!I", 2) + b"\xff\xfe" + bytes(MAX_ID_BYTES - 2), "UnicodeDecodeError"),
+])
+def test_a_garbled_broadcast_buffer_is_an_engine_sync_error(buffer: bytes, says: str) -> None:
+    """Scenario: the broadcast buffer a rank reads carries a length out of range or bad UTF-8
+    (collectives out of step). Expected: EngineSyncError naming the broadcast and the group rank.
+    Before: a bare PdfsmError, or a UnicodeDecodeError."""
+    with pytest.raises(EngineSyncError, match=says) as info:
+        _unpack(buffer, 2)
+    assert (info.value.step, info.value.group_rank) == ("broadcast", 2)

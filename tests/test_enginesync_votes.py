@@ -4,7 +4,8 @@ Three OS processes form one gloo world over loopback; each scenario has its own 
 short timeout (SHORT_S), and a world barrier separates scenarios. The promises checked come from
 docs/engine-id-sync.md ("The protocol, and why nothing can hang") and the docstring of
 ``sync_engine_id``: on bad input (an id, ``src``, a ``device`` that rank cannot use, differing
-``fingerprint`` values) *every* rank raises ``InvalidInput``, in milliseconds, none adopting an id.
+``fingerprint`` values) *every* rank raises ``InvalidInput``, in milliseconds, none adopting an id;
+and a rank lost between the vote and the broadcast fails every survivor (the last scenario).
 """
 
 from __future__ import annotations
@@ -131,6 +132,59 @@ def test_a_device_one_rank_cannot_use_is_refused_on_every_rank(ranks: list[Outco
     assert_refused_everywhere(ranks, scenario, "device")
 
 
+# --- integers of any size, numpy src, a layout that cannot be digested ------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["fp_huge_on_rank1", "layout_huge_on_rank1"])
+def test_an_integer_over_4300_digits_on_one_rank_is_refused_on_every_rank(ranks: list[Outcomes],
+                                                                          scenario: str) -> None:
+    """Scenario: rank 1 passes 10**5000 as the fingerprint, or as engine_config's block_size; the
+    others 0 / 16. Expected: every rank raises InvalidInput(fingerprint) at once (the values differ).
+    Before: str() of the integer raised a bare ValueError on rank 1 before the vote, and ranks 0
+    and 2 raised EngineSyncError from a vote rank 1 never joined, at the group's timeout."""
+    assert_refused_everywhere(ranks, scenario, "fingerprint")
+    assert "differ" in outcome(ranks, 1, scenario)["message"]
+
+
+@pytest.mark.slow
+def test_the_same_integer_over_4300_digits_everywhere_is_accepted(ranks: list[Outcomes]) -> None:
+    """Scenario: every rank passes fingerprint=10**5000. Expected: every rank adopts rank 0's id
+    (the docs promise any integer). Before: every rank raised a bare ValueError."""
+    assert adopted(ranks, "fp_huge_everywhere") == ["review-engine-rank0"] * SIZE
+
+
+@pytest.mark.slow
+def test_a_layout_field_that_cannot_be_digested_is_refused_on_every_rank(ranks: list[Outcomes]) -> None:
+    """Scenario: engine_config with a compat_hash whose repr() raises, on rank 2 only. Expected:
+    every rank raises InvalidInput(fingerprint) at once, rank 2 naming the field, the others rank 2.
+    Before: rank 2 raised the repr's RuntimeError before the vote; the others waited out the
+    group's timeout."""
+    assert_refused_everywhere(ranks, "layout_bad_repr_on_rank2", "fingerprint")
+    assert "compat_hash cannot be compared" in outcome(ranks, 2, "layout_bad_repr_on_rank2")["message"]
+    assert "refused on group rank 2" in outcome(ranks, 0, "layout_bad_repr_on_rank2")["message"]
+
+
+@pytest.mark.slow
+def test_a_numpy_integer_src_is_a_rank(ranks: list[Outcomes]) -> None:
+    """Scenario: every rank passes src=np.int64(1). Expected: every rank adopts rank 1's id.
+    Before: every rank raised InvalidInput "must be a rank of the group, 0 to 2: got np.int64(1)"."""
+    assert adopted(ranks, "numpy_src1") == ["review-engine-rank1"] * SIZE
+
+
 @pytest.mark.slow
 def test_the_world_still_syncs_after_every_scenario(ranks: list[Outcomes]) -> None:
     assert adopted(ranks, "after") == ["review-engine-rank1"] * SIZE
+
+
+@pytest.mark.slow
+def test_a_rank_dying_between_the_vote_and_the_broadcast_fails_every_survivor(ranks: list[Outcomes]) -> None:
+    """Scenario: rank 2 (not the source) exits after the vote, before the broadcast. Expected:
+    ranks 0 and 1 both raise EngineSyncError, neither adopting an id: the acknowledgement after
+    the broadcast cannot complete without rank 2. Before: the outcomes split, rank 0 (the source)
+    raising while rank 1 returned rank 0's id."""
+    for r in (0, 1):
+        o = outcome(ranks, r, "die_before_broadcast")
+        assert o["error"] == "EngineSyncError" and not o["id"], (r, o)
+        assert o["seconds"] < SHORT_S + 2, (r, o)  # the backend notices the death, or the group's timeout
+    assert "die_before_broadcast" not in ranks[2]
