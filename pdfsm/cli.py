@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import structlog
 
@@ -31,9 +29,10 @@ def _diagram(args: argparse.Namespace) -> int:
         table = diagram.TABLES[args.machine]
         text = diagram.mermaid(table) if args.format == "mermaid" else diagram.dot(table)
     if args.output:
-        Path(args.output).write_text(text)
-    else:
-        sys.stdout.write(text)
+        from pdfsm.postmortem import write_output
+
+        return 0 if write_output(args.output, text, "pdfsm diagram") else 2
+    sys.stdout.write(text)
     return 0
 
 
@@ -116,13 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pdfsm.postmortem import reader_left
+
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    code = 0  # a command that was still printing when its reader left (`pdfsm demo | head`) has none
     try:
-        code: int = args.func(args)
-    except BrokenPipeError:  # `pdfsm replay logs | head`: the reader left, which is no error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        code = args.func(args)
+        # Now, not at exit, where a reader that left would turn the code into 120. The reader leaving
+        # is no error of ours, and replay, trace and report keep their code when it does (say()).
+        sys.stdout.flush()
+    except BrokenPipeError:
+        reader_left()
     return code
 
 

@@ -21,6 +21,7 @@ Exit code 2 is a usage error (bad ``--at``, a request found in no log).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import math
@@ -73,7 +74,9 @@ __all__ = [
     "make_progress",
     "print_replay",
     "record_json",
+    "reader_left",
     "replay_command",
+    "say",
     "to_json",
     "verify",
     "warn_unreadable",
@@ -229,21 +232,27 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
     """(name, path) per log. A directory without segments whose subdirectories hold logs stands
     for those logs (sorted by name). A log is named after its directory (a segment file after the
     directory it is in); a repeated name gets ``#2``, ``#3``... A path named twice (also through
-    a directory holding it) is read once."""
-    found: list[tuple[str, Path]] = []
-    seen: set[Path] = set()
+    a directory holding it), or a segment file of a log directory also named, is read once.
+    Names are fit to print (:func:`~pdfsm.replay.printable`): a directory's name is anyone's."""
+    logs: list[Path] = []
     for arg in paths:
         p = Path(arg)
         try:
             subs = worker_logs(p) if not _has_segments(p) else []
         except OSError:  # unreadable: load() says so as the log's status
             subs = []
-        for log in subs or [p]:
-            if log.resolve() in seen:  # named twice (its directory and it): read once
-                continue
-            seen.add(log.resolve())
-            name = log.parent.name if log.is_file() and log.name[:1].isdigit() else log.name
-            found.append((name or str(log), log))
+        logs += subs or [p]
+    probed = [(log, *_probe(log)) for log in logs]
+    whole = {real for _, real, is_file in probed if not is_file}
+    found: list[tuple[str, Path]] = []
+    seen: set[Path] = set()
+    for log, real, is_file in probed:
+        if real in seen or (is_file and real.parent in whole):  # read with the directory named
+            continue
+        seen.add(real)
+        # absolute(): the directory of a segment named as "0000.pdlog" from inside it
+        name = log.absolute().parent.name if is_file and log.name[:1].isdigit() else log.name
+        found.append((printable(name or str(log)), log))
     out: list[tuple[str, Path]] = []
     taken = {name for name, _ in found}  # every log's own name
     given: set[str] = set()
@@ -255,6 +264,14 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
         given.add(unique)
         out.append((unique, log))
     return out
+
+
+def _probe(log: Path) -> tuple[Path, bool]:
+    """Where ``log`` really is, and whether it is a file (else a directory, or nothing yet)."""
+    try:
+        return log.resolve(), log.is_file()
+    except OSError:  # a path the system refuses (a name too long): load() says so as the log's status
+        return log.absolute(), False
 
 
 def _has_segments(p: Path) -> bool:
@@ -297,7 +314,7 @@ class _Reader(LogReader):
 
 def load(name: str, path: Path, *, repair: bool = False, progress: Progress | None = None) -> LoadedLog:
     """Read one log whole. Never raises for a bad log: the problem is in the result's status."""
-    out = LoadedLog(name, str(path))
+    out = LoadedLog(name, printable(str(path)))
     try:
         return _load(out, path, repair=repair, progress=progress)
     except OSError as e:  # unreadable (permissions, a vanished file): a status, like any bad log
@@ -406,8 +423,11 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
         if unrecorded:  # the writer stopped between an event and what it caused
             kinds = ", ".join(sorted({type(r.event).__name__ for r in unrecorded}))
             blamed = sum(r.violation for r in unrecorded)
-            note = (f"the log ends at seq {records[-1].seq} part-way through what its last event caused: replay "
-                    f"recomputed {len(unrecorded)} record(s) it does not have ({kinds}"
+            # With a gap, replay stops where the gap starts, and the log goes on after it.
+            end = (f"replay stops at seq {records[-1].seq}, before the gap," if log.gaps
+                   else f"the log ends at seq {records[-1].seq}")
+            note = (f"{end} part-way through what its last event caused: replay "
+                    f"recomputed {len(unrecorded)} record(s) the file does not have ({kinds}"
                     + (f"; {blamed} of them violations" if blamed else "") + "), not counted in this summary")
             log.replay_note = f"{log.replay_note}; {note}" if log.replay_note else note
     except Divergence as d:
@@ -441,7 +461,7 @@ def warn_unreadable(logs: Sequence[LoadedLog], tool: str = "pdfsm") -> int:
                   file=sys.stderr)
         elif log.status in ("corrupt", "unsupported", "no_log"):
             using = "" if log.status == "no_log" else f"; drawing the {len(log.records)} records before the damage"
-            print(f"{tool}: {log.name}: {log.error} (exit {int(log.exit_code)}{using})", file=sys.stderr)
+            print(f"{tool}: {log.name}: {printable(log.error)} (exit {int(log.exit_code)}{using})", file=sys.stderr)
             code = code or int(log.exit_code)
     return code
 
@@ -452,7 +472,12 @@ DEMO_WRITER: Final = "pdfsm demo"  # in every segment header the demos write: a 
 def clear_demo_logs(log_dir: Path) -> str | None:
     """Remove the logs an earlier demo run left under ``log_dir``, so a rerun into the same directory
     replays only itself; returns why not when a log there was not a demo's (it is left alone: an
-    engine's log starts at seq 0 and cannot be appended to, nor may a demo delete someone's log)."""
+    engine's log starts at seq 0 and cannot be appended to, nor may a demo delete someone's log),
+    or when ``log_dir`` cannot be made (before any engine starts, not as its traceback)."""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--log-dir {log_dir}: cannot create it: {e.strerror or e}"
     dirs = worker_logs(log_dir)
     logs = {}
     for d in dirs:
@@ -499,6 +524,11 @@ def _key(key: Any) -> str:
 
 
 def _details(log: LoadedLog) -> Iterator[str]:
+    """The lines about the log itself, each fit to print: paths and errors name its files."""
+    return map(printable, _raw_details(log))
+
+
+def _raw_details(log: LoadedLog) -> Iterator[str]:
     cfg = log.config
     where = f"  path: {log.path}"
     if cfg is not None:
@@ -673,15 +703,19 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="a progress bar on stderr (default: when stdout and stderr are terminals, never with --json)")
 
 
+_MAX_SEQ: Final = 2**63 - 1
+
+
 def _resolve_at(specs: Sequence[str], names: Sequence[str]) -> list[int | None] | str:
     """Per log, the seq to stop at (None: the end), or an error message."""
     default: int | None = None
     per: dict[str, int] = {}
     for spec in specs:
         name, _, seq = spec.rpartition(":")
-        # str.isdigit alone takes "²", which int() refuses; and int() refuses over 4300 digits
-        if not (seq.isascii() and seq.isdigit()) or len(seq) > 20:
-            return f"--at {spec[:80]!r}: expected SEQ or LOG:SEQ with SEQ a non-negative integer of at most 20 digits"
+        # str.isdigit alone takes "²", which int() refuses; and int() refuses over 4300 digits.
+        # Sequence numbers are int64: a larger one would go into --json as an integer readers refuse.
+        if not (seq.isascii() and seq.isdigit()) or len(seq) > 20 or int(seq) > _MAX_SEQ:
+            return f"--at {spec[:80]!r}: expected SEQ or LOG:SEQ with SEQ an integer from 0 to {_MAX_SEQ}"
         if not name:
             default = int(seq)
         elif name not in names:
@@ -691,10 +725,12 @@ def _resolve_at(specs: Sequence[str], names: Sequence[str]) -> list[int | None] 
     return [per.get(n, default) for n in names]
 
 
-def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] = print, timelines: int = 8,
+def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] | None = None, timelines: int = 8,
                  limit: int = 20, ats: Sequence[int | None] | None = None, request: str | None = None,
                  as_json: bool = False) -> int:
-    """Print what ``pdfsm replay`` prints for logs already loaded (and verified); returns the exit code."""
+    """Print what ``pdfsm replay`` prints for logs already loaded (and verified); returns the exit code.
+    ``out`` takes each line (:func:`say` by default)."""
+    out = out or say
     ats = list(ats) if ats is not None else [None] * len(logs)
     failing = [log for log in logs if log.exit_code != Exit.OK]
     code = int(failing[0].exit_code) if failing else 0
@@ -728,13 +764,46 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] = prin
 
 
 def write_output(path: str, text: str, command: str) -> bool:
-    """Write a command's output file; on failure say why in one line (the caller exits 2)."""
+    """Write a command's output file, whole or not at all: through a file beside it, renamed over
+    it, so a failure leaves an earlier file as it was. A link or what is not a plain file (a
+    device such as /dev/stdout, a pipe) is written in place. On failure say why in one line
+    (the caller exits 2)."""
+    target = temp = Path(path)
+    direct = True
     try:
-        Path(path).write_text(text, encoding="utf-8")  # the page says utf-8, whatever the locale
-    except OSError as e:
-        print(f"{command}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        direct = target.is_symlink() or (target.exists() and not target.is_file())
+        if not direct:
+            temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        temp.write_text(text, encoding="utf-8")  # the page says utf-8, whatever the locale
+        if not direct:
+            temp.replace(target)
+    except (OSError, UnicodeError) as e:
+        if not direct:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"{command}: cannot write {printable(path)}: {printable(why)}", file=sys.stderr)
         return False
     return True
+
+
+def reader_left() -> None:
+    """Point stdout at /dev/null: its reader has gone (``pdfsm replay LOG | head``). What is left
+    to print goes nowhere, and the command goes on to its exit code, which the reader leaving
+    does not change."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, sys.stdout.fileno())
+    finally:
+        os.close(null)
+
+
+def say(line: str) -> None:
+    """print() for a command's stdout: once its reader has gone, :func:`reader_left`."""
+    try:
+        print(line)
+    except BrokenPipeError:
+        reader_left()
 
 
 def replay_command(args: argparse.Namespace) -> int:
@@ -746,7 +815,7 @@ def replay_command(args: argparse.Namespace) -> int:
     if isinstance(ats, str):  # a usage error, found before any log is read: --json still prints its document
         print(f"pdfsm replay: {ats}", file=sys.stderr)
         if args.json:
-            print(json.dumps({**to_json([], [], [], None, timelines=0, exit_code=Exit.USAGE), "error": ats}))
+            say(json.dumps({**to_json([], [], [], None, timelines=0, exit_code=Exit.USAGE), "error": ats}))
         return Exit.USAGE
     progress = make_progress(args.progress, json_mode=args.json)
     logs = load_all(args.logs, repair=args.repair, progress=progress)
@@ -758,7 +827,7 @@ def replay_command(args: argparse.Namespace) -> int:
                   f"({'repaired' if log.torn and log.torn['repaired'] else 'file left as it is'}); exit 0",
                   file=sys.stderr)
         elif log.exit_code:
-            print(f"pdfsm replay: {log.name}: {log.error.splitlines()[0]} (exit {int(log.exit_code)})",
+            print(f"pdfsm replay: {log.name}: {printable(log.error.splitlines()[0])} (exit {int(log.exit_code)})",
                   file=sys.stderr)
     if code == Exit.USAGE:
         print(f"pdfsm replay: request {args.request!r} is in none of the logs", file=sys.stderr)

@@ -47,9 +47,15 @@ __all__ = [
 
 _TABLES = {"consumer": consumer.TABLE, "producer": producer.TABLE, "engine": engine.TABLE}
 TERMINAL = {name: frozenset(s.name for s in table.terminal) for name, table in _TABLES.items()}
-# A machine is created in its table's initial state; a record that leaves it there (an ignored or
-# rejected first event) did not make it enter anything, so no visit starts.
+# A machine is created in its table's initial state, and no transition leads back into it.
 _INITIAL = {name: table.initial.name for name, table in _TABLES.items()}
+
+
+def _kept_none(rec: Record) -> bool:
+    """An ignored or rejected event left in the initial state: the core kept no machine for it
+    (a first event it refused, or late news for a request whose tombstone aged out), so it
+    changes no state; the machine's last life, if any, ended where its records say."""
+    return rec.outcome is not Outcome.APPLIED and rec.state == _INITIAL.get(rec.machine)
 
 
 class Divergence(PdfsmError):
@@ -180,8 +186,16 @@ def event_detail(ev: Any) -> str:
 
 def printable(text: str) -> str:
     """``text`` with control characters escaped: a peer chooses some fields (a sender, an error),
-    and a newline or a terminal escape in them must not forge lines of a report."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    and a newline or a terminal escape in them must not forge lines of a report. A byte a file
+    name could not decode (Python holds it as a lone surrogate, which no UTF-8 output can
+    encode) is shown as ``\\xNN``."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    if "\udc80" <= c <= "\udcff":  # os.fsdecode's surrogateescape: the byte ord(c) - 0xDC00
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return repr(c)[1:-1]
 
 
 @dataclass(frozen=True)
@@ -246,7 +260,7 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
         if rec.machine == "core":
             continue
         key = (rec.machine, machine_key(rec))
-        if rec.state != _INITIAL.get(rec.machine) or key in out.states:  # an ignored first event makes none
+        if not _kept_none(rec):
             out.states[key] = rec.state
         if timelines:
             out.timelines.setdefault(key, []).append(Step(
@@ -327,9 +341,9 @@ def visits(records: Iterable[Record], *, at: int | None = None) -> list[Visit]:
             continue
         key = (rec.machine, machine_key(rec))
         t = latest[key] = max(rec.event.t_ns, latest.get(key, rec.event.t_ns))
-        i = current.get(key)
-        if i is None and rec.state == _INITIAL.get(rec.machine):
+        if _kept_none(rec):
             continue
+        i = current.get(key)
         if i is not None:
             if out[i].state == rec.state:
                 continue

@@ -8,7 +8,8 @@ and there is no script. It has, in order:
 - a timeline (``<svg id="timeline">``, on a background of :data:`TIMELINE_BG`):
   one row per machine, a coloured bar per state visit over time, a diamond per
   violation (red: local fault, orange: remote); rows with violations or stuck
-  requests are drawn first when there are more than ``rows``;
+  requests are drawn first when there are more than ``rows``. Each log's times run
+  from its own first record: logs from different hosts are on different clocks;
 - the violations and stuck requests, in full;
 - per machine kind, its state diagram as inline SVG (a layered layout of the
   table's transitions, states and transitions the logs exercised in colour, the
@@ -29,8 +30,8 @@ from typing import Any, Final
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, LoadedLog, load_all, warn_unreadable, write_output
-from pdfsm.replay import Visit, event_detail, machine_key, summarize, visits
+from pdfsm.postmortem import Exit, LoadedLog, load_all, say, warn_unreadable, write_output
+from pdfsm.replay import Visit, event_detail, machine_key, printable, summarize, visits
 
 __all__ = ["STATE_COLOURS", "TIMELINE_BG", "diagram_svg", "render_report", "report_command", "timeline_svg"]
 
@@ -87,16 +88,17 @@ def _summary(logs: Sequence[LoadedLog]) -> Iterator[str]:
                f"<td class=\"num\">{len(s.stuck)}</td></tr>")
     yield "</table>"
     for log in logs:
+        # printable(): these name the log's files, whose names need not decode
         if log.error:
-            yield f"<p class=\"bad\">{_e(log.name)}: {_e(log.error.splitlines()[0])}</p>"
+            yield f"<p class=\"bad\">{_e(log.name)}: {_e(printable(log.error.splitlines()[0]))}</p>"
         if log.torn is not None:
             yield (f"<p class=\"warn\">{_e(log.name)}: torn tail at byte {_e(log.torn['offset'])} of "
-                   f"{_e(log.torn['file'])} ({_e(log.torn['reason'])}); the records before it are shown</p>")
+                   f"{_e(printable(log.torn['file']))} ({_e(log.torn['reason'])}); the records before it are shown</p>")
         for g in log.gaps:
             yield (f"<p class=\"warn\">{_e(log.name)}: gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost "
                    f"before reaching the file ({_e(g.reason)})</p>")
         if log.replay_note:
-            yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(log.replay_note)}</p>"
+            yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(printable(log.replay_note))}</p>"
 
 
 # --- timeline --------------------------------------------------------------------------------------
@@ -109,6 +111,7 @@ class _Row:
     key: Any
     visits: list[Visit]
     marks: list[Record]  # records with a fault
+    t0: int  # its log's first time: each log is drawn on its own clock
     end_t: int
     flagged: bool
 
@@ -116,17 +119,18 @@ class _Row:
 def _rows(logs: Sequence[LoadedLog]) -> list[_Row]:
     out: list[_Row] = []
     for log in logs:
+        t0 = min((r.event.t_ns for r in log.records), default=0)
         end = max((r.event.t_ns for r in log.records), default=0)
         rows: dict[tuple[str, Any], _Row] = {}
         for v in visits(log.records):
-            row = rows.setdefault((v.machine, v.key), _Row(log.name, v.machine, v.key, [], [], end, False))
+            row = rows.setdefault((v.machine, v.key), _Row(log.name, v.machine, v.key, [], [], t0, end, False))
             row.visits.append(v)
         for rec in log.records:
             if rec.fault is not None:
                 # a machine that never left its initial state (a rejected first event) gets a row
                 # too, and so do the core's own violations (an undecodable message, events dropped)
                 key = (rec.machine, machine_key(rec))
-                rows.setdefault(key, _Row(log.name, rec.machine, key[1], [], [], end, False)).marks.append(rec)
+                rows.setdefault(key, _Row(log.name, rec.machine, key[1], [], [], t0, end, False)).marks.append(rec)
         for row in rows.values():
             last = row.visits[-1] if row.visits else None
             open_end = last is not None and last.end_seq is None and not last.terminal and row.machine != "engine"
@@ -136,50 +140,48 @@ def _rows(logs: Sequence[LoadedLog]) -> list[_Row]:
 
 
 def timeline_svg(logs: Sequence[LoadedLog], *, rows: int = 200) -> str:
-    """Requests (and engines) as rows, state visits as bars over time, violations as diamonds."""
+    """Requests (and engines) as rows, state visits as bars over time, violations as diamonds.
+    Each log's times run from its own first record: logs of different hosts are on different
+    clocks (each its engine's monotonic one), which no common axis could line up."""
     every = _rows(logs)
     chosen = every
-    if len(every) > rows:  # keep every row that shows a problem, then the earliest others
-        keep = [r for r in every if r.flagged][:rows]
-        keep += [r for r in every if not r.flagged][:rows - len(keep)]
-        ids = {id(r) for r in keep}
-        chosen = [r for r in every if id(r) in ids]
-    ts = [r.event.t_ns for log in logs for r in log.records]
-    t0, t1 = (min(ts), max(ts)) if ts else (0, 1)
-    t1 = max(t1, t0 + 1)
+    if len(every) > rows:  # every row that shows a problem first, then the earliest others
+        chosen = [r for r in every if r.flagged][:rows]
+        chosen += [r for r in every if not r.flagged][:rows - len(chosen)]
+    span = max(1, max((r.end_t - r.t0 for r in every), default=1))
     label_w, plot_w, row_h, top = 300, 1000, 16, 28
     width, height = label_w + plot_w + 20, top + row_h * max(1, len(chosen)) + 10
 
-    def x(t: int) -> float:
-        return label_w + (t - t0) * plot_w / (t1 - t0)
+    def x(t: int, t0: int = 0) -> float:
+        return label_w + (t - t0) * plot_w / span
 
     out = [f'<svg id="timeline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
            'role="img" aria-label="timeline">',
            f'<rect x="0" y="0" width="{width}" height="{height}" fill="{TIMELINE_BG}"/>']
     for i in range(6):
-        t = t0 + (t1 - t0) * i // 5
+        t = span * i // 5
         out.append(f'<line x1="{x(t):.1f}" y1="{top - 6}" x2="{x(t):.1f}" y2="{height}" stroke="#c5d3e6"/>')
         out.append(f'<text x="{x(t):.1f}" y="{top - 10}" font-size="11" text-anchor="middle">'
-                   f'+{(t - t0) / 1e6:.3f} ms</text>')
+                   f'+{t / 1e6:.3f} ms</text>')
     for i, row in enumerate(chosen):
         y = top + i * row_h
         label = f"{row.log} {row.machine} {_key(row.key)}"
         out.append(f'<text x="4" y="{y + 12}" font-size="11">{_e(label[:48])}</text>')
         for v in row.visits:
             colour = STATE_COLOURS.get(v.state, "#999")
-            start = x(v.start_t_ns)
+            start = x(v.start_t_ns, row.t0)
             if v.terminal:
                 w, extra = 3.0, ""
             else:
                 stop = row.end_t if v.end_t_ns is None else v.end_t_ns
-                w = max(2.0, x(stop) - start)
+                w = max(2.0, x(stop, row.t0) - start)
                 extra = ' stroke="#000" stroke-dasharray="3,2"' if v.end_t_ns is None else ""
             tip = (f"{row.machine} {_key(row.key)}: {v.state} from seq {v.start_seq} ({v.entered_by})"
                    + (f" to seq {v.end_seq} ({v.left_by})" if v.end_seq is not None else " to the end of the log"))
             out.append(f'<rect x="{start:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
                        f'fill="{colour}"{extra}><title>{_e(tip)}</title></rect>')
         for rec in row.marks:
-            cx, cy = x(rec.event.t_ns), y + row_h / 2
+            cx, cy = x(rec.event.t_ns, row.t0), y + row_h / 2
             fault = rec.fault.value if rec.fault is not None else "local"
             tip = f"seq {rec.seq} {fault} fault: {type(rec.event).__name__} {rec.outcome.name.lower()}: {rec.reason}"
             out.append(f'<path d="M{cx:.1f} {cy - 6:.1f} L{cx + 6:.1f} {cy:.1f} L{cx:.1f} {cy + 6:.1f} '
@@ -347,7 +349,8 @@ def render_report(logs: Sequence[LoadedLog], *, rows: int = 200, title: str = "p
              "<h2>Summary</h2>", *_summary(logs),
              "<h2>Timeline</h2>",
              "<p>One row per machine; a bar per state visit (dashed outline: still in it when the log ended; "
-             "a thin mark: a terminal state); diamonds are violations. Hover for details.</p>",
+             "a thin mark: a terminal state); diamonds are violations. Hover for details. Each log's times "
+             "are from its own first record; clocks of different hosts are not compared.</p>",
              _legend(used), timeline_svg(logs, rows=rows),
              *_violations(logs), *_diagrams(logs), "</body></html>"]
     return "\n".join(parts) + "\n"
@@ -362,9 +365,9 @@ def report_command(args: argparse.Namespace) -> int:
     warn_unreadable(logs, "pdfsm report")
     for log in logs:
         if log.status == "divergence":
-            print(f"pdfsm report: {log.name}: {log.error.splitlines()[0]}", file=sys.stderr)
+            print(f"pdfsm report: {log.name}: {printable(log.error.splitlines()[0])}", file=sys.stderr)
     code = next((int(log.exit_code) for log in logs if log.exit_code), 0)  # the first failing log's, as replay
     if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
         return Exit.USAGE
-    print(f"wrote {args.output}: {len(logs)} logs, self-contained (open it in any browser)")
+    say(f"wrote {printable(args.output)}: {len(logs)} logs, self-contained (open it in any browser)")
     return code

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, load_all, record_json, warn_unreadable, write_output
-from pdfsm.replay import event_detail, machine_key, visits
+from pdfsm.postmortem import Exit, load_all, record_json, say, warn_unreadable, write_output
+from pdfsm.replay import event_detail, machine_key, printable, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
 
@@ -115,6 +115,6 @@ def trace_command(args: argparse.Namespace) -> int:
     kinds: dict[str, int] = {}
     for e in doc["traceEvents"]:
         kinds[e["ph"]] = kinds.get(e["ph"], 0) + 1
-    print(f"wrote {args.output}: {len(logs)} logs, {kinds.get('X', 0)} state slices, {kinds.get('i', 0)} instants "
-          f"(open it in Perfetto, ui.perfetto.dev, or chrome://tracing)")
+    say(f"wrote {printable(args.output)}: {len(logs)} logs, {kinds.get('X', 0)} state slices, "
+        f"{kinds.get('i', 0)} instants (open it in Perfetto, ui.perfetto.dev, or chrome://tracing)")
     return code or Exit.OK
