@@ -13,12 +13,17 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from pdfsm.connector import KVTransferParams
+from pdfsm.wire import RequestId
 
-__all__ = ["MARK", "MAX_LINE_BYTES", "Abort", "Finish", "Forge", "Load", "Op", "OpType", "Prefill", "Result", "Tamper",
-           "read_lines"]
+__all__ = ["MARK", "MAX_DELAY_S", "MAX_LINE_BYTES", "MAX_REASON_CHARS", "Abort", "Finish", "Forge", "Load", "Op",
+           "OpType", "Prefill", "Result", "Tamper", "read_lines"]
 
 MARK = "PDFSM "
 MAX_LINE_BYTES: Final = 1 << 20  # an op or result line: params of a few thousand block ids fit many times
+MAX_REASON_CHARS: Final = 4096  # a result's reason, cut to it: one quoting a long input still fits a line
+# An op's age or delay, at most a day (far past any demo lease): in nanoseconds it stays an int.
+MAX_DELAY_S: Final = 86_400.0
+_Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_DELAY_S)]
 
 
 NUM_BLOCKS: Final = 256  # each demo engine's KV pool, in blocks
@@ -29,7 +34,7 @@ class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):
 
 
 class Prefill(Op, kw_only=True):
-    rid: str
+    rid: RequestId
     blocks: Annotated[int, msgspec.Meta(ge=1)]
     seed: int
 
@@ -39,10 +44,10 @@ class Load(Op, kw_only=True):
     ``abort``: abort it mid-read, in the same op (an Abort sent after the Load could arrive after a
     step that already read the request to the end)."""
 
-    rid: str
+    rid: RequestId
     params: KVTransferParams
     seed: int
-    age_s: float = 0.0
+    age_s: _Seconds = 0.0
     abort: bool = False
 
 
@@ -50,7 +55,7 @@ class Abort(Op, kw_only=True):
     """``stage``: ``now`` (as the op arrives), ``reading`` (once a rank's reads are posted, so it
     lands mid-read)."""
 
-    rid: str
+    rid: RequestId
     stage: Literal["now", "reading"] = "reading"
 
 
@@ -59,9 +64,9 @@ class Tamper(Op, kw_only=True):
     first notification for it lost, delivered twice or ``delay_s`` late (prefill side), or its
     first completed read reported failed (decode side)."""
 
-    rid: str
+    rid: RequestId
     kind: Literal["drop-notification", "duplicate-notification", "delay-notification", "fail-read"]
-    delay_s: float = 0.0
+    delay_s: _Seconds = 0.0
 
 
 class Forge(Op, kw_only=True):

@@ -18,6 +18,7 @@ them and checks every byte it read.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import queue
 import sys
@@ -37,6 +38,7 @@ from pdfsm.engine_messages import (
     LEASE_MARGIN_S,
     MARK,
     MAX_LINE_BYTES,
+    MAX_REASON_CHARS,
     NUM_BLOCKS,
     Abort,
     Finish,
@@ -59,11 +61,12 @@ from pdfsm.events import (
     HandshakeReply,
     NotificationReceived,
 )
+from pdfsm.filelog import LogWriteError
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
 from pdfsm.wire import Notification
 
-__all__ = ["Engine", "main", "request_bytes"]
+__all__ = ["Engine", "log_name", "main", "request_bytes"]
 
 COMPAT = "pdfsm-demo-model-v1"
 
@@ -76,6 +79,10 @@ _EMIT_LOCK = threading.Lock()  # the op reader reports bad lines from its own th
 
 
 def emit(result: Result) -> None:
+    reason = result.reason
+    if len(reason) > MAX_REASON_CHARS:  # it may quote an op's input: the line must stay under the bound
+        cut = f"{reason[:MAX_REASON_CHARS]}... ({len(reason) - MAX_REASON_CHARS} more characters)"
+        result = msgspec.structs.replace(result, reason=cut)
     line = MARK + _encode(result).decode() + "\n"
     with _EMIT_LOCK:
         sys.stdout.write(line)
@@ -88,6 +95,21 @@ def request_bytes(seed: int, layer: int, blocks: int, heads: int, head_bytes: in
     return torch.randint(0, 256, (blocks, heads, head_bytes), dtype=torch.uint8, generator=gen)
 
 
+_SAFE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_MAX_NAME_CHARS = 100  # of the id in a directory name: with the rank suffix, far under NAME_MAX (255 bytes)
+
+
+def log_name(engine_id: str) -> str:
+    """``engine_id`` as a file name: itself when short and of letters, digits and ``._-`` only;
+    else those characters kept (others as ``_``), cut short, and a digest of the whole id, so a
+    log never lands outside its directory nor two ids in one log."""
+    safe = "".join(c if c in _SAFE_CHARS else "_" for c in engine_id)
+    if safe == engine_id and len(safe) <= _MAX_NAME_CHARS:
+        return engine_id
+    digest = hashlib.sha256(engine_id.encode(errors="surrogatepass")).hexdigest()[:12]
+    return f"{safe[:_MAX_NAME_CHARS]}-{digest}"
+
+
 class Worker:
     """One (pp_rank, tp_rank): its KV tensors, transport and connector."""
 
@@ -98,13 +120,16 @@ class Worker:
         self.heads = 1 if args.mla else args.heads // args.tp
         self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8,
                                device=args.kv_device) for _ in self.layers]
-        name = f"{args.engine_id}-pp{pp}-tp{tp}"  # a restarted engine has a new id: a new log
+        # A restarted engine has a new id: a new log. The id itself is in the segment headers.
+        name = f"{log_name(args.engine_id)}-pp{pp}-tp{tp}"
         self.log_dir = log_dir / name
         from pdfsm.filesink import FileSink
         from pdfsm.postmortem import DEMO_WRITER
 
+        # fresh: an earlier run's log here would be refused at our first write (its seqs go on,
+        # ours start at 0), after "ready"; refused now, the old log left as it was.
         self.sink = FileSink(self.log_dir, metadata={"engine_id": args.engine_id, "worker": name,
-                                                     "writer": DEMO_WRITER})
+                                                     "writer": DEMO_WRITER}, fresh=True)
         config = CoreConfig(engine_id=args.engine_id, tp_rank=tp, tp_size=args.tp, pp_rank=pp, pp_size=args.pp,
                             mla=args.mla, compat_hash=args.compat_hash, lease_ns=int(args.lease_s * 1e9),
                             read_timeout_ns=int(args.read_timeout_s * 1e9), policy=args.policy,
@@ -141,7 +166,7 @@ class _Tamper:
             self.submit(ev)
             self.submit(ev)
         elif op.kind == "delay-notification":
-            self.delayed.append((time.monotonic_ns() + int(op.delay_s * 1e9), ev))
+            self.delayed.append((time.monotonic_ns() + int(op.delay_s * 1e9), ev))  # delay_s: at most a day
         elif isinstance(ev, HandleDone):
             self.submit(HandleFailed(source=ev.source, t_ns=ev.t_ns, request_id=ev.request_id, pp_rank=ev.pp_rank,
                                      tp_rank=ev.tp_rank, why=HandleFailure.ERR, detail="injected: read failed"))
@@ -242,7 +267,13 @@ class Engine:
         emit(Result(ev="prefilled", rid=op.rid, params=params))
 
     def load(self, op: Load) -> None:
+        if op.rid in self.held:  # one entry per rid: a second would take over the first's books
+            emit(Result(ev="error", rid=op.rid, reason="request id already held"))
+            return
         n = len(op.params.remote_block_ids)
+        if not n:  # the connector takes it as notify-only and never reports it: it would be held for ever
+            emit(Result(ev="error", rid=op.rid, reason="load refused: params name no remote blocks to read"))
+            return
         if len(self.free) < n:
             emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
             return
@@ -273,8 +304,14 @@ class Engine:
         if op.stage == "reading" and not soon:
             self.aborts.add(op.rid)
             return
-        for w in self.workers:
-            w.conn.abort(op.rid)
+        for i, w in enumerate(self.workers):
+            try:
+                w.conn.abort(op.rid)
+            except InvalidInput as exc:
+                if i:  # every rank is asked the same: only the first can refuse, having taken nothing
+                    raise
+                emit(Result(ev="error", rid=op.rid, reason=f"abort refused: {exc}"))
+                return
 
     def tamper(self, op: Tamper) -> None:
         for w in self.workers:
@@ -427,16 +464,21 @@ def _rss() -> int:
 
 def _read_ops(out: queue.Queue[OpType | None]) -> None:
     """Ops from stdin until it closes; a line too long or not an op is reported and skipped (this
-    thread alone tells the engine its input ended: it must not die on one bad line)."""
-    for line in read_lines(lambda n: os.read(sys.stdin.fileno(), n)):
-        if line is None:
-            emit(Result(ev="error", reason=f"op line over {MAX_LINE_BYTES} bytes: skipped"))
-        elif line.strip():
-            try:
-                out.put(_decode_op(line))
-            except msgspec.DecodeError as exc:  # ValidationError included
-                emit(Result(ev="error", reason=f"bad op line: {exc}"))
-    out.put(None)
+    thread alone tells the engine its input ended: it must not die on one bad line, and if it
+    dies all the same the engine still finishes)."""
+    try:
+        for line in read_lines(lambda n: os.read(sys.stdin.fileno(), n)):
+            if line is None:
+                emit(Result(ev="error", reason=f"op line over {MAX_LINE_BYTES} bytes: skipped"))
+            elif line.strip():
+                try:
+                    out.put(_decode_op(line))
+                # ValueError: msgspec's DecodeError and ValidationError, UnicodeDecodeError (bad UTF-8
+                # in a string); RecursionError: arrays nested too deep.
+                except (ValueError, RecursionError) as exc:
+                    emit(Result(ev="error", reason=f"bad op line: {exc}"))
+    finally:
+        out.put(None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -477,7 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    engine = Engine(args)
+    try:
+        engine = Engine(args)
+    except LogWriteError as exc:  # an earlier run's log, or one being written: before "ready", nothing touched
+        print(f"--log-dir {args.log_dir}: cannot log there: {exc}", file=sys.stderr)
+        return 2
     ops: queue.Queue[OpType | None] = queue.Queue()
     threading.Thread(target=_read_ops, args=(ops,), daemon=True).start()
     while True:

@@ -68,6 +68,7 @@ from pdfsm.filelog import (
     recover,
     segment_name,
     segment_paths,
+    segment_start,
 )
 from pdfsm.log import Overflow, Row
 
@@ -144,7 +145,9 @@ class FileSink:
     repaired, see :func:`~pdfsm.filelog.recover`; the result is in
     :attr:`recovery`) and the first batch must continue its sequence. An
     :class:`~pdfsm.log.EventLog` always starts at seq 0, so a restarted engine
-    logs into a new directory.
+    logs into a new directory; ``fresh=True`` says so up front: a directory
+    that already holds a log is refused (:class:`LogWriteError`) before
+    anything in it is recovered or written.
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class FileSink:
         metadata: Mapping[str, Any] | None = None,
         on_ack: Callable[[int], None] | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME,
+        fresh: bool = False,
     ) -> None:
         if segment_bytes < 4096 or queue_rows < 1 or batch_records < 1:
             raise ValueError("segment_bytes must be >= 4096, queue_rows and batch_records positive")
@@ -180,6 +184,10 @@ class FileSink:
         _make_dirs(self.directory)
         self._lock = lock_writer(self.directory)
         try:  # the lock is let go if recovery or the first segment fails
+            if fresh and (old := segment_paths(self.directory)):  # under the lock: no writer adds one meanwhile
+                raise LogWriteError(f"already holds a log ({len(old)} segment{'s' * (len(old) > 1)} from seq "
+                                    f"{segment_start(old[0].name)}), which a new log cannot continue: remove "
+                                    "it or write elsewhere", path=self.directory)
             self.recovery: Final[Recovery] = recover(self.directory, max_frame_bytes=max_frame_bytes,
                                                      writer_locked=True)
             start = self.recovery.next_seq

@@ -172,7 +172,10 @@ class Engine:
             if line is not None and line.startswith(mark):
                 try:
                     self.results.put(_decode_result(line[len(mark):]))
-                except msgspec.DecodeError as exc:  # a broken result is the engine's error, not this thread's end
+                # A broken result is the engine's error, not this thread's end (the run would wait for
+                # results that no longer come): ValueError is msgspec's DecodeError and bad UTF-8 in a
+                # string, RecursionError arrays nested too deep.
+                except (ValueError, RecursionError) as exc:
                     self.results.put(Result(ev="error", reason=f"bad result line from the {self.role} engine: {exc}"))
 
     def _errors(self, err: IO[str]) -> None:

@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from filelog_writer import row
 
 from pdfsm import demo as demo_sim
 from pdfsm import run as demo
 from pdfsm.filelog import LOCK_NAME
-from pdfsm.postmortem import clear_demo_logs
+from pdfsm.filesink import FileSink
+from pdfsm.postmortem import DEMO_WRITER, clear_demo_logs
 from transports.nixl import nixl_available
 
 nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
@@ -136,3 +138,24 @@ def test_runs_that_could_only_fail_are_refused_before_any_engine_starts(argv: tu
     pool, every hold running its lease; a forged notification with no producer ever connected)."""
     with pytest.raises(demo.UsageError, match=match):
         demo.check_options(_args(*argv))
+
+
+@nixl
+def test_engines_that_meet_an_earlier_log_refuse_it_and_the_demo_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scenario: the engines start over an earlier demo's log in their worker directory (one that
+    appeared after the demo cleared the directory: clear_demo_logs is made to leave it). Expected:
+    exit 2, "pdfsm demo:" naming the directory, that it holds a log and --log-dir, no traceback,
+    the old log untouched. Before the fix the prefill engine said "ready" and died at its first
+    log write (LogWriteError "rows 0..x do not continue the log at seq 2", a traceback among the
+    problems, exit 1), leaving a stray header-only segment in the old log."""
+    worker = tmp_path / "prefill-pp0-tp0"
+    with FileSink(worker, metadata={"writer": DEMO_WRITER, "worker": worker.name}) as sink:
+        sink.write([row(0), row(1)])
+    before = sorted(p.name for p in worker.iterdir())
+    monkeypatch.setattr(demo, "clear_demo_logs", lambda _: None)
+    code, _, err, _ = _run_command("--log-dir", str(tmp_path), "--requests", "1", "--quiet")
+    assert code == 2, err
+    assert "pdfsm demo:" in err and f"{worker}: already holds a log" in err and "--log-dir" in err, err
+    assert "Traceback" not in err, err
+    assert sorted(p.name for p in worker.iterdir()) == before
