@@ -401,7 +401,7 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
-        if not e.readers:
+        if not e.readers and (e.drop_owed or e.evict_owed):  # rare: the flags first, no call
             pay_drop(e, core)
             ask_owed_eviction(e, core, t_ns)
     m.engines = ()
