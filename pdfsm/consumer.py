@@ -136,7 +136,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     d = ev.deadline
     if d is not None and d.clock != core.config.clock:
         return False
-    if times_of(ev, core)[0] <= ev.t_ns:  # as _lease_over: the common case is never a refusal
+    if times_of(ev, core)[0] <= max(ev.t_ns, core.latest_t_ns):  # as _lease_over: never a refusal
         return False
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False
@@ -247,7 +247,9 @@ def _pp_unsupported_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Cor
 
 
 def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
-    return bool(ev.local_blocks) and times_of(ev, core)[0] <= ev.t_ns
+    """Too late to start reading, judged at the latest time the core has applied (a request
+    stamped before a Tick past its deadline would post a read of released blocks)."""
+    return bool(ev.local_blocks) and times_of(ev, core)[0] <= max(ev.t_ns, core.latest_t_ns)
 
 
 def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:

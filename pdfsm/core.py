@@ -392,6 +392,8 @@ class Core:
                 period = self._idle_engine_ns
             elif e.state is engine.S.FAILED or e.state is engine.S.DISCONNECTED:
                 period = self._forget_engine_ns
+            elif e.state is engine.S.CONNECTING:
+                continue  # answered in time: the transport adds the peer, whose outcome arms the timer
             else:  # a handshake attempt still unanswered (handshake_started armed the timer)
                 self.derive(HandshakeFailed(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank,
                                             attempt=e.attempt, error="no answer within handshake_timeout_ns "

@@ -305,6 +305,22 @@ def test_sglang_pr_34692_a_handshake_attempt_never_answered_is_failed_by_the_cor
     assert not core.violations[Fault.LOCAL]
 
 
+def test_a_handshake_answered_just_before_its_bound_connects_when_the_tick_comes_first() -> None:
+    """Scenario: attempt 1 is answered (HandshakeDone, the engine CONNECTING, AddPeer emitted) just
+    before handshake_timeout_ns; the Tick at the bound is applied before the transport's PeerAdded.
+    Expected: the bound fails only an unanswered attempt, so the engine connects and the request
+    reads. Before (found by review): the Tick failed the answered attempt, dropped its peer and
+    ignored PeerAdded as stale."""
+    core = make_core(strict=False, read_timeout_ns=10**7, handshake_timeout_ns=10**6)
+    core.apply(read("d1", t=0))
+    core.take_commands()
+    core.apply(ev(HandshakeDone, 10**6 - 1, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
+    tick(core, 10**6)
+    core.apply(ev(PeerAdded, 10**6, engine_id="P", pp_rank=0, attempt=1))
+    assert core.engines[("P", 0)].state.name == "CONNECTED"
+    assert core.consumers["d1"].state.name == "READING"
+
+
 # --- preemption, duplicates and lost notifications ---------------------------------------------------
 
 

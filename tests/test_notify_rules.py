@@ -514,3 +514,21 @@ def test_a_producer_that_moved_within_the_retry_pause_has_every_pp_stage_handsha
     core.apply(read("b", remote_pp=2, port=10, t=100))
     started = sorted((c.pp_rank, c.port) for c in core.take_commands() if isinstance(c, StartHandshake))
     assert started == [(0, 10), (1, 10)]
+
+
+def test_a_read_stamped_before_a_tick_past_its_lease_posts_nothing_on_a_connected_engine() -> None:
+    """Scenario: as the notify-only case above, but a read with blocks (lease 1000 from 0, margin
+    100, deadline 900) applied after a Tick at 5000. Expected: refused before any read (the lease
+    may be over), so no READ of released blocks and no late notification reaches the producer.
+    Before (found by review): judged at its stamp, a PostRead went out; the request then failed
+    as untrusted, and the READ's notice reached a producer that had released."""
+    core = make_core(strict=False, lease_margin_ns=100)
+    core.apply(read("warm-up"))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
+    core.apply(ev(PeerAdded, engine_id="P", pp_rank=0, attempt=1))
+    core.apply(ev(HandleDone, request_id="warm-up", pp_rank=0, tp_rank=0))
+    core.apply(ev(Tick, 5000))
+    core.take_commands()
+    core.apply(read("r", t=0, lease_ns=1000, lease_start_ns=0))
+    assert not [c for c in core.take_commands() if isinstance(c, (PostRead, SendNotification))]
+    assert core.consumers["r"].state.name == "FAILED"

@@ -12,10 +12,11 @@ import random
 from typing import Any
 
 import pytest
-from helpers import LeaseWorld, S, connected, ev, make_core, read, reply, tick
+from helpers import LeaseWorld, S, connected, ev, handshake, make_core, read, reply, tick
 
 from pdfsm.commands import FinishedSending, HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector
+from pdfsm.core import Core
 from pdfsm.errors import ConnectorClosed, InvalidInput
 from pdfsm.events import (
     PRODUCER,
@@ -50,9 +51,14 @@ def test_trust_bound_of_exactly_zero_still_bounds_a_read() -> None:
     trust bound (lease start + lease - margin) at exactly t=0, and its deadline too. Its read is
     seen complete at t=50, after the bound: the producer may have reused the blocks, so the
     request must fail with its blocks invalid. pdfsm uses 0 as "no trust bound known" and trusts
-    the read: it is handed back as received."""
-    core = make_core(strict=False, lease_margin_ns=100)
-    connected(core)
+    the read: it is handed back as received. (The core's own events stay before -10 too: a Tick or
+    Collect at 0 applied first would make the request too late to read at all.)"""
+    core = Core(CoreConfig(engine_id="D", compat_hash="h", lease_margin_ns=100), t_ns=-1000)
+    core.apply(read("warm-up", t=-100))
+    handshake(core, t=-100)
+    core.apply(ev(HandleDone, -100, request_id="warm-up", pp_rank=0, tp_rank=0))
+    core.apply(ev(Collect, -100, step=0))
+    core.take_commands()
     core.apply(read("r", t=-10, lease_ns=110))
     assert any(isinstance(c, PostRead) for c in core.take_commands())
     core.apply(ev(HandleDone, 50, request_id="r", pp_rank=0, tp_rank=0))

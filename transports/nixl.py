@@ -248,12 +248,13 @@ class _Peer:
 
 
 class _Read:
-    __slots__ = ("cancelled", "cmd", "handle", "held", "peer", "state")
+    __slots__ = ("cancelled", "cmd", "handle", "held", "peer", "raised", "state")
 
     def __init__(self, cmd: PostRead, peer: _Peer, handle: Any, state: str) -> None:
         self.cmd, self.peer, self.handle, self.state = cmd, peer, handle, state
         self.cancelled = False
         self.held = False  # NIXL refused to release it as still active after a poll raised
+        self.raised = ""  # its transfer() raised part-way: it fails whatever NIXL says at the end
 
 
 def _tensor_kind(t: torch.Tensor) -> MemKind:
@@ -524,6 +525,7 @@ class NixlTransport:
             if not self._released(handle):
                 read = self.reads[key] = _Read(cmd, peer, handle, "PROC")
                 read.held = True
+                read.raised = f"transfer() raised {type(exc).__name__}: {exc}"
                 peer.reads += 1
                 _log.warning("read %s: transfer raised %s: %s, and NIXL refused to release it; polling until "
                              "it ends", cmd.request_id, type(exc).__name__, exc)
@@ -633,15 +635,16 @@ class NixlTransport:
                 except Exception as exc:  # noqa: BLE001 - a raising poll fails the handle (vLLM PR 28120)
                     self._poll_raised(read, exc)
                     continue
-            if read.state == "DONE":
+            if read.state == "DONE" and not read.raised:
                 self._release_read(read)
                 src = read.cmd.source
                 self._forget_read(read)
                 self._emit(HandleDone(source=Source.TRANSFER, t_ns=now, request_id=read.cmd.request_id,
                                       pp_rank=src.pp_rank, tp_rank=src.tp_rank))
-            elif read.state != "PROC":
+            elif read.state != "PROC":  # a read whose post raised may lack GETs even when DONE
                 self._release_read(read)
-                self._end(read, HandleFailure.ERR, f"transfer state {read.state}")
+                self._end(read, HandleFailure.RAISED if read.raised else HandleFailure.ERR,
+                          read.raised or f"transfer state {read.state}")
         self._drain_notifications(now)
         if self._draining:
             for peer in [p for p in self._draining if not p.reads]:
