@@ -230,7 +230,10 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     if _apart(m.promised_for, ev.issued_wall_ns, core):
         if ev.issued_wall_ns < m.promised_for:
             return
-        m.extended_to = None
+        m.extended_to = None  # and the staging time the earlier hold's promise set goes with it
+        core.leases.disarm(m.request_id, m.deadline)
+        m.deadline = max(ev.t_ns + core.config.lease_ns, promised)
+        core.leases.arm(m.request_id, m.deadline)
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
     core.promise(m)
