@@ -179,6 +179,18 @@ def test_sglang_issue_16903_decode_recovers_after_a_prefill_outage_without_a_res
     assert pair.d.core.engines[("P", 0)].state.name == "CONNECTED"
 
 
+def producer_at_9_and_decode(net: SimNetwork, now: list[int]) -> tuple[Connector, SimTransport, Connector]:
+    """Producer P (process P-old, 64 blocks) serving at port 9, and a decode Connector D, on one clock."""
+    old = SimTransport(net, "P-old")
+    old.fill(range(64))
+    p_old = Connector(CoreConfig(engine_id="P", compat_hash="h"), old, SimHandshaker(net), clock=lambda: now[0],
+                      port=9)
+    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(old.rank_info(),)))
+    cons = SimTransport(net, "D-0", block_bytes=64)
+    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), cons, SimHandshaker(net), clock=lambda: now[0])
+    return p_old, cons, d
+
+
 def test_smg_issue_2382_producer_restarted_with_a_new_layout_under_the_same_id_is_not_refused_forever() -> None:
     """https://github.com/smg-project/smg/issues/2382 -- engines kept the transfer state of a peer
     that had restarted on the same host:port, and every later transfer through them failed until
@@ -189,13 +201,7 @@ def test_smg_issue_2382_producer_restarted_with_a_new_layout_under_the_same_id_i
     the decode side its cached view is stale. A request may fail once, but the decode side must
     handshake again and read from the restarted producer, not refuse it for ever."""
     net, now = SimNetwork(), [0]
-    old = SimTransport(net, "P-old")
-    old.fill(range(64))
-    p_old = Connector(CoreConfig(engine_id="P", compat_hash="h"), old, SimHandshaker(net), clock=lambda: now[0],
-                      port=9)
-    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(old.rank_info(),)))
-    cons = SimTransport(net, "D-0", block_bytes=64)
-    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), cons, SimHandshaker(net), clock=lambda: now[0])
+    p_old, cons, d = producer_at_9_and_decode(net, now)
     d.load("d-warm", [1], p_old.request_finished("warm", [1]))
     for _ in range(3):
         d.get_finished()
@@ -239,13 +245,7 @@ def test_sglang_pr_34289_a_producer_replaced_while_an_old_read_drains_is_read_on
     eviction asked while held, so the first request after the drain was refused too (asking
     again), and with one request at a time none was ever read before the next one came."""
     net, now = SimNetwork(), [0]
-    old = SimTransport(net, "P-old")
-    old.fill(range(64))
-    p_old = Connector(CoreConfig(engine_id="P", compat_hash="h"), old, SimHandshaker(net), clock=lambda: now[0],
-                      port=9)
-    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(old.rank_info(),)))
-    cons = SimTransport(net, "D-0", block_bytes=64)
-    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), cons, SimHandshaker(net), clock=lambda: now[0])
+    p_old, cons, d = producer_at_9_and_decode(net, now)
     net.script("d-old", 0, 0, ReadScript(polls=6))  # still reading when P-new takes over
     d.load("d-old", [1], p_old.request_finished("p-old", [1]))
     for _ in range(3):

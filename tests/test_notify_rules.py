@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import ev, make_core, read, reply
+from helpers import connected, ev, make_core, read, reply
 
 from pdfsm.commands import HandOff, PostRead, SendNotification, StartHandshake
 from pdfsm.connector import Connector
@@ -458,11 +458,7 @@ def test_a_notify_only_request_stamped_before_a_tick_past_its_lease_sends_nothin
     1000, so a notice now would record a false "read may have seen reused blocks" there (vLLM PR
     41269). Before: judged at its own stamp, it went to the producer; the path through a
     handshake already sent nothing."""
-    core = make_core(strict=False, lease_margin_ns=100)
-    core.apply(read("warm-up"))
-    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
-    core.apply(ev(PeerAdded, engine_id="P", pp_rank=0, attempt=1))
-    core.apply(ev(HandleDone, request_id="warm-up", pp_rank=0, tp_rank=0))
+    core = connected(make_core(strict=False, lease_margin_ns=100))
     core.apply(ev(Tick, 5000))
     core.take_commands()
     core.apply(read("r", t=0, blocks=(), lease_ns=1000, lease_start_ns=0))
@@ -522,11 +518,7 @@ def test_a_read_stamped_before_a_tick_past_its_lease_posts_nothing_on_a_connecte
     may be over), so no READ of released blocks and no late notification reaches the producer.
     Before (found by review): judged at its stamp, a PostRead went out; the request then failed
     as untrusted, and the READ's notice reached a producer that had released."""
-    core = make_core(strict=False, lease_margin_ns=100)
-    core.apply(read("warm-up"))
-    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
-    core.apply(ev(PeerAdded, engine_id="P", pp_rank=0, attempt=1))
-    core.apply(ev(HandleDone, request_id="warm-up", pp_rank=0, tp_rank=0))
+    core = connected(make_core(strict=False, lease_margin_ns=100))
     core.apply(ev(Tick, 5000))
     core.take_commands()
     core.apply(read("r", t=0, lease_ns=1000, lease_start_ns=0))
