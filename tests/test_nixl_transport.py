@@ -572,6 +572,33 @@ def test_a_transfer_that_raises_while_nixl_refuses_its_release_as_active_is_poll
     assert not pair.d.reads
 
 
+def test_a_producer_restarted_under_a_new_engine_id_keeping_its_agent_name_is_added(pair: Pair) -> None:
+    """Scenario: engine P's rank (agent X) is gone while idle here; its process restarts as engine
+    P2 with the same agent name X (agent names are often fixed per rank) and a later start time.
+    Expected: P2 is added (NIXL knows one agent per name, so P's connection is let go and reported
+    lost) and reads P2's bytes. Before: refused ("already serves ('P', 0)") until P was evicted as
+    idle, an hour by default (found by review over two processes). Two live engines claiming one
+    agent, with no later start time, stay refused."""
+    agent = pair.p.agent_name
+    p2_kv = random_kv(2, 16, 256, seed=11)
+    p2 = NixlTransport(agent, p2_kv)
+    try:
+        info = p2.rank_info()
+        stale = msgspec.structs.replace(info, started_wall_ns=pair.p.started_wall_ns)
+        with pytest.raises(TransportError, match="already serves"):
+            pair.d.add_peer(("P2", 0), HandshakeReply(engine_id="P2", compat_hash="", tp_size=1, ranks=(stale,)))
+        pair.d.add_peer(("P2", 0), HandshakeReply(engine_id="P2", compat_hash="", tp_size=1, ranks=(info,)))
+        (lost,) = [e for e in pair.d_events if isinstance(e, PeerDisconnected)]
+        assert (lost.engine_id, lost.pp_rank) == ("P", 0) and ("P", 0) not in pair.d.peers
+        cmd = PostRead("r", "P2", ReadSource(0, 0), (0, 1), (4, 5), Notification("p-r", 0, 1))
+        pair.d.post_read(cmd)
+        pair.pump(lambda: bool(pair.outcomes()))
+        assert [type(e) for e in pair.outcomes()] == [HandleDone]
+        assert all(torch.equal(pair.d_kv[k][0:2], p2_kv[k][4:6]) for k in range(2))
+    finally:
+        p2.close()
+
+
 def test_rank_metadata_is_typed_msgpack(pair: Pair) -> None:
     info = pair.p.rank_info()
     meta = decode_rank_metadata(info.metadata)

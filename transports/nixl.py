@@ -231,7 +231,7 @@ class _Peer:
     prepared descriptor lists."""
 
     __slots__ = ("agent", "attempt", "geometries", "key", "kind", "layers", "local_pos", "local_regions", "prepped",
-                 "reads", "regions", "tp_rank")
+                 "reads", "regions", "started_ns", "tp_rank")
 
     def __init__(self, key: EngineKey, tp_rank: int, agent: str, meta: NixlRankMetadata,
                  local_pos: tuple[int, ...], local_regions: tuple[Region, ...], attempt: int) -> None:
@@ -245,6 +245,7 @@ class _Peer:
         self.prepped: dict[tuple[int, int], Any] = {}  # (slices, slice) -> nixl_prepped_dlist_handle
         self.reads = 0  # reads of ours to this rank still alive
         self.geometries: set[tuple[int, int, int, int]] = set()  # slice geometries found consistent
+        self.started_ns = 0  # when its process started (its RankInfo's wall clock; 0: not said)
 
 
 class _Read:
@@ -384,6 +385,7 @@ class NixlTransport:
         decoded: list[tuple[RankInfo, NixlRankMetadata]] = []
         seen: set[int] = set()
         agents: set[str] = set()
+        taken: list[_Peer] = []  # peers of another engine whose agent names a restarted process now
         for info in infos:
             if info.tp_rank in seen:
                 raise TransportError(f"handshake reply lists tp_rank {info.tp_rank} twice")
@@ -395,8 +397,10 @@ class NixlTransport:
                 raise TransportError(f"remote agent {info.agent!r} has this transport's own name")
             old = self._agents.get(info.agent)
             if old is not None and (old.key != key or old in self._draining):
-                why = "still draining reads" if old in self._draining else f"already serves {old.key}"
-                raise TransportError(f"remote agent {info.agent!r} {why}")
+                if old in self._draining or not self._replaced(old, info):
+                    why = "still draining reads" if old in self._draining else f"already serves {old.key}"
+                    raise TransportError(f"remote agent {info.agent!r} {why}")
+                taken.append(old)
             meta = decode_rank_metadata(info.metadata)
             # The reply's count bounds the block ids the consumer accepts; a rank claiming more would
             # have every read build a prepared list that large (gigabytes for a lying 2**24).
@@ -414,6 +418,10 @@ class NixlTransport:
             pos = self.layer_map.positions(
                 remote_layers, remote=f"remote rank {info.agent!r} ({key[0]}, pp {key[1]}, tp {info.tp_rank})")
             pairing.append((pos, tuple(self.regions[i] for i in pos)))
+        for old in taken:  # checked above: the engine they served has no reads of ours
+            if old.key in self.peers:
+                self._peer_lost(old, f"its agent {old.agent!r} now serves {key}, a process started since")
+                self.drop_peer(old.key)
         if key in self.peers:  # a fresh reply for a connected engine replaces it
             # Checked before anything is dropped: an agent of the reply that still has reads of ours
             # would be left draining and could not be added again; other agents may drain.
@@ -434,7 +442,8 @@ class NixlTransport:
                 added.append(name)
                 if name != info.agent:
                     raise TransportError(f"NIXL metadata names agent {name!r}, the reply says {info.agent!r}")
-                ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta, pos, local_regions, attempt)
+                peer = ranks[info.tp_rank] = _Peer(key, info.tp_rank, name, meta, pos, local_regions, attempt)
+                peer.started_ns = info.started_wall_ns
         except Exception as exc:
             for name in added:
                 self._remove_agent(name)
@@ -446,6 +455,14 @@ class NixlTransport:
         for peer in ranks.values():
             self._agents[peer.agent] = peer
         self._disconnected.discard(key)
+
+    def _replaced(self, old: _Peer, info: RankInfo) -> bool:
+        """``info``'s process started after the one ``old`` reached, and ``old``'s engine has no
+        reads of ours: a producer restarted under a new engine id, keeping its agent name (often
+        fixed per rank). Its old engine is let go, as NIXL knows one agent per name; without the
+        start times, two live engines would claim one agent, and that stays refused."""
+        later = bool(old.started_ns) and info.started_wall_ns > old.started_ns
+        return later and not any(p.reads for p in self.peers.get(old.key, {}).values())
 
     def _check_pp(self, pp_rank: int) -> None:
         refuse_pp(self.capabilities, self.agent_name, pp_rank)
