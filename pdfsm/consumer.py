@@ -587,9 +587,18 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
     """Ask to evict every connected engine the request contradicts, but one with a rank younger
     than the params (they are the stale side); returns the first reason."""
     found = list(contradictions(req, core))
+    evict = set()
     for pp, _ in found:
-        if not _predates(req, core.engines[(req.engine_id, pp)], core.config.hold_skew_ns):
-            core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
+        e = core.engines[(req.engine_id, pp)]
+        if not _predates(req, e, core.config.hold_skew_ns):
+            evict.add(pp)
+            # The stale layout's stages past the params' PP size go too: no plan of these params
+            # reads them, so nothing else would (a producer restarted with fewer PP stages: its old
+            # stage 1 still claimed layers the new stage 0 holds, and every read was refused).
+            if e.reply is not None:
+                evict.update(p for p in range(req.remote_pp, e.reply.pp_size) if (req.engine_id, p) in core.engines)
+    for pp in sorted(evict):
+        core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
     return found[0][1] if found else ""
 
 

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     reading: dict[str, tuple[KVTransferParams, list[int], set[int]]] = {}  # ranks yet to report
     sending: dict[str, tuple[list[int], set[int]]] = {}
     started = done = failed = bad_bytes = step = 0
+    failed_requests: dict[str, str] = {}  # request id -> why its read failed
     while done < args.requests or sending:
         step += 1
         clock.step()
@@ -187,13 +188,14 @@ def run(args: argparse.Namespace) -> int:
             reading[f"d-{rid}"] = (params, d_blocks, set(range(decode.tp)))
         for rank, w in enumerate(decode.workers):
             _, recving = w.get_finished()
-            lost = {h.request_id for h in w.last.failed}
+            lost = {h.request_id: h.reason for h in w.last.failed}
             for rid in recving:
                 params, d_blocks, ranks = reading[rid]
                 ranks.discard(rank)
                 remote = params.remote_block_ids
                 if rid in lost:  # reported failed, with its blocks invalid: the scheduler recomputes it
                     failed += 1
+                    failed_requests.setdefault(rid, lost[rid])
                 else:
                     bad_bytes += sum(decode.transports[rank].block(lb) != _expected(rank, args, prefill, decode,
                                                                                     lb, rb)
@@ -213,11 +215,13 @@ def run(args: argparse.Namespace) -> int:
         if step > 10_000:
             print("demo: no progress after 10000 steps")
             return 1
-    print(f"demo: {done} requests moved from prefill (TP {prefill.tp}) to decode (TP {decode.tp})"
-          f"{' with MLA' if args.mla else ''} over the simulated transport in {step} steps; "
-          f"blocks with wrong bytes: {bad_bytes}"
+    print(f"demo: {done - len(failed_requests)} of {done} requests moved from prefill (TP {prefill.tp}) to decode "
+          f"(TP {decode.tp}){' with MLA' if args.mla else ''} over the simulated transport in {step} steps, "
+          f"{len(failed_requests)} failed (recomputed); blocks with wrong bytes: {bad_bytes}"
           + (f"; fault planted: {args.fault} on req-{args.fault_request}, failed reads: {failed}"
              if args.fault else ""))
+    if failed_requests and not args.fault:
+        print(f"demo: reads failed with no fault planted: {next(iter(failed_requests.values()))}", file=sys.stderr)
     for eng in (prefill, decode):
         for w in eng.workers:
             w.shutdown()
@@ -227,5 +231,6 @@ def run(args: argparse.Namespace) -> int:
     violations = sum(1 for log in logs for r in log.records if r.fault is not None)
     if args.log_dir is not None:
         print(f"demo: logs in {args.log_dir}; replay them with: pdfsm replay {args.log_dir}")
-    clean = code == 0 and bad_bytes == 0 and stuck == 0 and (violations == 0 or args.fault is not None)
+    unplanned = (violations or failed_requests) and args.fault is None
+    clean = code == 0 and bad_bytes == 0 and stuck == 0 and not unplanned
     return 0 if clean else 1

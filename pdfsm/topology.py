@@ -109,6 +109,9 @@ def read_plan(local: Layout, remote: Layout, mla: bool) -> ReadPlan:
         raise TopologyError(f"local rank ({local.pp_rank}, {local.tp_rank}) outside {local}")
     if remote.pp_size < 1:
         raise TopologyError(f"producer PP size must be positive, got {remote.pp_size}")
+    if remote.tp_size * remote.pp_size > MAX_RANKS:  # a plan is built rank by rank, and kept
+        raise TopologyError(f"the producer's TP {remote.tp_size} x PP {remote.pp_size} is "
+                            f"{remote.tp_size * remote.pp_size} ranks, more than {MAX_RANKS}")
     if local.pp_size == 1:
         pp_ranks = tuple(range(remote.pp_size))
     elif local.pp_size == remote.pp_size:

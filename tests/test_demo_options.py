@@ -114,6 +114,21 @@ def test_demo_sim_fault_on_a_request_that_never_runs_is_not_reported_as_planted(
     assert code == 2, out.getvalue()[-2000:]
 
 
+def test_demo_sim_whose_reads_all_fail_with_no_fault_planted_says_so_and_fails() -> None:
+    """Scenario: `pdfsm demo-sim --prefill-tp 3 --decode-tp 1`: a 256-byte block cannot be cut into
+    3 slices, so every read is refused at set-up (the library's answer, correct). Expected: the
+    demo says 0 of 4 moved, 4 failed, why, and exits 1. Before (found by review): it printed "4
+    requests moved ... blocks with wrong bytes: 0" and exited 0."""
+    p = argparse.ArgumentParser()
+    demo_sim.add_arguments(p)
+    args = p.parse_args(["--prefill-tp", "3", "--decode-tp", "1", "--requests", "4", "--quiet"])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = demo_sim.run(args)
+    assert code == 1 and "0 of 4 requests moved" in out.getvalue() and "4 failed" in out.getvalue()
+    assert "cannot be cut into 3 equal slices" in err.getvalue()
+
+
 # --- more blocks in flight than the engines' pool (256 blocks) --------------------------------------
 
 

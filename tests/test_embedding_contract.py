@@ -117,6 +117,21 @@ def test_an_absurd_remote_layout_size_is_refused_at_once(field: str) -> None:
     assert done.stdout.split() == ["REFUSED", field], done.stdout + done.stderr[-2000:]
 
 
+def test_a_remote_layout_of_more_than_max_ranks_in_all_is_refused_before_a_plan_is_built() -> None:
+    """Scenario: params with remote TP 1024 and PP 1024, each within MAX_RANKS. Expected: refused
+    (InvalidInput) before a read plan is built, since no producer has that many ranks. Before
+    (found by review): the plan, one entry per remote rank (2**20), took 1.5 s and 300 MB of the
+    owner thread, and was kept for ever."""
+    net = SimNetwork()
+    c = Connector(CoreConfig(engine_id="D"), SimTransport(net, "D-0"), SimHandshaker(net))
+    with pytest.raises(InvalidInput, match="more than 1024"):
+        c.load("x", [1], dict(lease_ns=60_000_000_000, remote_engine_id="P", remote_request_id="p",
+                              remote_block_ids=(1,), remote_tp_size=1024, remote_pp_size=1024))
+    assert not c.core.plans
+    c.load("y", [1], dict(lease_ns=60_000_000_000, remote_engine_id="P", remote_request_id="q",
+                          remote_block_ids=(1,), remote_tp_size=32, remote_pp_size=32))
+
+
 # --- 4. a lease beyond 64 bits kills the durable log ---------------------------------------------------
 
 

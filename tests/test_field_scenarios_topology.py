@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from helpers import SimPair, collect, ev, handshake, make_core, notes, read, reply, stop_while_handshaking
 
-from pdfsm.commands import HandOff, PostRead
+from pdfsm.commands import HandOff, PostRead, StartHandshake
 from pdfsm.events import (
     AbortRequested,
+    HandleDone,
     HandshakeDone,
     HandshakeFailed,
     PeerAdded,
@@ -170,3 +171,27 @@ def test_a_request_stopped_after_its_lease_is_over_notifies_nobody() -> None:
     cmds = core.take_commands() + collect(core, 6_000)
     assert [c.outcome for c in cmds if isinstance(c, HandOff)] == ["aborted"]
     assert notes(cmds) == []
+
+
+def test_smg_2382_a_producer_restarted_with_fewer_pp_stages_is_not_wedged_by_its_old_stage() -> None:
+    """https://github.com/smg-project/smg/issues/2382 with a PP change (vLLM PR 43366): the producer,
+    connected as PP 2 (stages 0 and 1), restarts under the same engine id as PP 1. Expected: the
+    first request with the new params is refused (its params contradict stage 0's reply) and both
+    old stages are evicted, so the next request handshakes stage 0 alone and reads. Before (found
+    by review, real bytes over the torch transport): only stage 0 was evicted; stage 1 stayed
+    connected, still claiming the layers the new stage 0 holds, and every later read was refused
+    ("layer 4 is held by remote PP ranks 0 and 1") until it idled out, an hour by default."""
+    core = make_core(strict=False)
+    core.apply(read("warm", remote_pp=2))
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, engine_id="P", pp_rank=pp, attempt=1,
+                      reply=reply("P", pp_rank=pp, pp_size=2)))
+        core.apply(ev(PeerAdded, engine_id="P", pp_rank=pp, attempt=1))
+    for pp in (0, 1):
+        core.apply(ev(HandleDone, request_id="warm", pp_rank=pp, tp_rank=0))
+    collect(core)
+    assert sorted(core.engines) == [("P", 0), ("P", 1)]
+    core.apply(read("d0", remote_pp=1, t=10))
+    assert core.consumers["d0"].state.name == "FAILED" and not core.engines
+    core.apply(read("d1", remote_pp=1, t=20))
+    assert [(c.pp_rank) for c in core.take_commands() if isinstance(c, StartHandshake)] == [0]
