@@ -71,6 +71,8 @@ class ConsumerState:
 
 S = ConsumerState
 CONNECTED: Final[State] = EngineState.CONNECTED
+HANDSHAKING: Final[State] = EngineState.HANDSHAKING
+CONNECTING: Final[State] = EngineState.CONNECTING
 ENGINE_FAILED: Final[State] = EngineState.FAILED
 
 
@@ -513,8 +515,27 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     eid = req.engine_id
     unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
     for pp, tp in unread + list(plan.notify_only):
+        cmd = SendNotification(engine_id=eid, pp_rank=pp, tp_rank=tp, notification=note)
         if not connected_only or core.engine_connected((eid, pp)):
-            core.emit(SendNotification(engine_id=eid, pp_rank=pp, tp_rank=tp, notification=note))
+            core.emit(cmd)
+            continue
+        e = core.engines.get((eid, pp))
+        handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
+        if e is not None and handshaking and len(e.notices) < core.config.max_staged:
+            # Owed once it connects (send_owed): a request aborted or timed out while the handshake
+            # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269).
+            e.notices.append((req, m.trust, cmd))
+
+
+def send_owed(e: RemoteEngine, core: Core, t_ns: int) -> None:
+    """The notices owed to ``e``'s ranks by requests that stopped while it handshook, now that it
+    is connected: not once their lease is over, nor when their params contradict its reply."""
+    owed, e.notices = e.notices, []
+    now, skew = max(t_ns, core.latest_t_ns), core.config.hold_skew_ns
+    for req, trust, cmd in owed:
+        lease_over = req.lease_ns > 0 and trust is not None and now >= trust
+        if not lease_over and _contradiction(e, req, e.pp_rank, skew) is None:
+            core.emit(cmd)
 
 
 def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

@@ -445,6 +445,10 @@ class Core:
             self.idle.disarm(f"{e.pp_rank}:{e.engine_id}", e.idle_at)
             e.idle_at = None
 
+    def send_owed(self, e: engine.RemoteEngine, t_ns: int) -> None:
+        """``e`` connected: send the notices requests that stopped meanwhile owe its ranks."""
+        consumer.send_owed(e, self, t_ns)
+
     def handshake_started(self, e: engine.RemoteEngine, t_ns: int) -> None:
         """Bound a handshake attempt by ``handshake_timeout_ns``: a handshaker that never answers
         one must not leave the engine handshaking for ever, every later request joining it and

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from pdfsm.commands import AddPeer, DropPeer, StartHandshake
+from pdfsm.commands import AddPeer, DropPeer, SendNotification, StartHandshake
 from pdfsm.errors import (
     CompatibilityMismatch,
     EngineIdMismatch,
@@ -42,6 +42,7 @@ from pdfsm.events import (
     HandshakeReply,
     PeerAdded,
     PeerDisconnected,
+    ReadRequested,
     Source,
 )
 from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
@@ -77,6 +78,7 @@ class RemoteEngine:
         "host",
         "idle_at",
         "idle_since",
+        "notices",
         "port",
         "pp_rank",
         "readers",
@@ -94,6 +96,9 @@ class RemoteEngine:
         self.host = ""
         self.port = 0
         self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
+        # Notifications owed once connected by requests that stopped while it handshook:
+        # (their params, their trust bound, the notice); sent by consumer.send_owed.
+        self.notices: list[tuple[ReadRequested, int | None, SendNotification]] = []
         self.readers = 0  # requests holding it: told it is ready, or reading from it
         self.drop_owed = False  # lost while held: its peer is dropped when the last reader lets go (pay_drop)
         self.evict_owed = False  # eviction asked while held: asked again when the last reader lets go
@@ -210,6 +215,7 @@ def _tell_waiters(m: RemoteEngine, core: Core, t_ns: int) -> None:
 def _fail(m: RemoteEngine, error: HandshakeError, t_ns: int, core: Core, *, drop: bool) -> None:
     m.error = error
     m.reply = None
+    m.notices = []  # nobody to tell: those producers release at their lease
     m.retry_at = t_ns + core.config.handshake_retry_ns
     if drop:
         core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
@@ -239,6 +245,8 @@ def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
 
 
 def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
+    if m.notices:
+        core.send_owed(m, ev.t_ns)
     _tell_waiters(m, core, ev.t_ns)
     core.engine_idle(m, ev.t_ns, connected=True)
 

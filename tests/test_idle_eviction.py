@@ -129,8 +129,10 @@ def pump(core: Core, *events: Any) -> list[Any]:
 
 
 def idle_evictions(records: list[Record]) -> list[Record]:
+    """Connected engines the core evicted (not failed ones it forgot: a handshake unanswered past
+    handshake_timeout_ns fails, and a failed engine is forgotten, whatever idle_engine_ns says)."""
     return [r for r in records if isinstance(r.event, EvictRequested) and r.event.source == Source.CORE
-            and r.state == "EVICTED"]
+            and r.before == "CONNECTED" and r.state == "EVICTED"]
 
 
 # --- the timer itself ---------------------------------------------------------------------------

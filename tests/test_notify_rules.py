@@ -524,3 +524,24 @@ def test_a_read_stamped_before_a_tick_past_its_lease_posts_nothing_on_a_connecte
     core.apply(read("r", t=0, lease_ns=1000, lease_start_ns=0))
     assert not [c for c in core.take_commands() if isinstance(c, (PostRead, SendNotification))]
     assert core.consumers["r"].state.name == "FAILED"
+
+
+@pytest.mark.parametrize("connects", ["inside-the-lease", "after-the-lease"])
+def test_a_request_aborted_while_its_handshake_runs_notifies_the_producer_once_it_connects(connects: str) -> None:
+    """Scenario: a read is aborted while the engine still handshakes (client disconnects while the
+    prefill instance is being reached, vLLM PR 41269); the handshake then completes. Expected: the
+    request is handed back aborted at once, and the producer is told as soon as the engine
+    connects, so its blocks do not wait out the lease; not once the lease is over (a late notice
+    reads there as a read of reused blocks). Before (found by review): nobody told it, and its
+    blocks stayed pinned the whole lease (120 s by default)."""
+    core = make_core(strict=False, lease_margin_ns=100)
+    core.apply(read("r", lease_ns=1000, lease_start_ns=0))
+    core.apply(ev(AbortRequested, 10, request_id="r"))
+    core.apply(ev(CollectEv, 10, step=1))
+    assert [(h.request_id, h.outcome) for h in core.take_commands() if isinstance(h, HandOff)] == [("r", "aborted")]
+    t = 20 if connects == "inside-the-lease" else 950
+    core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
+    core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=0, attempt=1))
+    notes = [c.notification.request_id for c in core.take_commands() if isinstance(c, SendNotification)]
+    assert notes == (["p-r"] if connects == "inside-the-lease" else [])
+    assert not core.engines[("P", 0)].notices
