@@ -521,10 +521,19 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
             continue
         e = core.engines.get((eid, pp))
         handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
-        if e is not None and handshaking and len(e.notices) < core.config.max_staged:
+        trust = m.trust if _may_owe(req) else None
+        if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269).
-            e.notices.append((req, m.trust, cmd))
+            e.notices.append((req, trust, cmd))
+
+
+def _may_owe(req: ReadRequested) -> bool:
+    """A notice can wait for a handshake only with a lease to bound it (one unknown has no end) and
+    params whose minting process one stage can check (PP params that do not say their stage are
+    judged against every stage at once: a stage connecting alone cannot tell)."""
+    stageless = bool(req.incarnation) and req.incarnation_pp is None and req.remote_pp > 1
+    return req.lease_ns > 0 and not stageless
 
 
 def send_owed(e: RemoteEngine, core: Core, t_ns: int) -> None:
@@ -533,8 +542,7 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int) -> None:
     owed, e.notices = e.notices, []
     now, skew = max(t_ns, core.latest_t_ns), core.config.hold_skew_ns
     for req, trust, cmd in owed:
-        lease_over = req.lease_ns > 0 and trust is not None and now >= trust
-        if not lease_over and _contradiction(e, req, e.pp_rank, skew) is None:
+        if now < trust and _contradiction(e, req, e.pp_rank, skew) is None:
             core.emit(cmd)
 
 

@@ -98,7 +98,7 @@ class RemoteEngine:
         self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
         # Notifications owed once connected by requests that stopped while it handshook:
         # (their params, their trust bound, the notice); sent by consumer.send_owed.
-        self.notices: list[tuple[ReadRequested, int | None, SendNotification]] = []
+        self.notices: list[tuple[ReadRequested, int, SendNotification]] = []
         self.readers = 0  # requests holding it: told it is ready, or reading from it
         self.drop_owed = False  # lost while held: its peer is dropped when the last reader lets go (pay_drop)
         self.evict_owed = False  # eviction asked while held: asked again when the last reader lets go
@@ -247,8 +247,22 @@ def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
 def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
     if m.notices:
         core.send_owed(m, ev.t_ns)
+    _evict_other_layouts(m, core, ev.t_ns)
     _tell_waiters(m, core, ev.t_ns)
     core.engine_idle(m, ev.t_ns, connected=True)
+
+
+def _evict_other_layouts(m: RemoteEngine, core: Core, t_ns: int) -> None:
+    """Stages of this engine id still connected with a reply of another PP size are of a process
+    this one replaced (a producer restarted with another PP split, its old stage's loss unseen):
+    they would claim layers this stage holds, and every read would be refused until they idled
+    out. Evicted (owed while a read still holds one). Once per connection: a scan is cheap."""
+    assert m.reply is not None
+    size = m.reply.pp_size
+    stale = [pp for (eid, pp), e in core.engines.items()
+             if eid == m.engine_id and pp != m.pp_rank and e.reply is not None and e.reply.pp_size != size]
+    for pp in stale:
+        core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=m.engine_id, pp_rank=pp))
 
 
 def _handshake_failed(m: RemoteEngine, ev: HandshakeFailed, core: Core) -> None:

@@ -16,6 +16,8 @@ from pdfsm.commands import HandOff, PostRead, StartHandshake
 from pdfsm.events import (
     AbortRequested,
     HandleDone,
+    HandleFailed,
+    HandleFailure,
     HandshakeDone,
     HandshakeFailed,
     PeerAdded,
@@ -195,3 +197,26 @@ def test_smg_2382_a_producer_restarted_with_fewer_pp_stages_is_not_wedged_by_its
     assert core.consumers["d0"].state.name == "FAILED" and not core.engines
     core.apply(read("d1", remote_pp=1, t=20))
     assert [(c.pp_rank) for c in core.take_commands() if isinstance(c, StartHandshake)] == [0]
+
+
+def test_a_stage_of_the_old_pp_layout_whose_loss_went_unseen_is_evicted_when_the_new_layout_connects() -> None:
+    """Scenario: a PP-2 producer; its stage-0 read fails DISCONNECTED (the process died) while stage
+    1, idle, never sees the loss; the producer comes back as PP 1 and a PP-1 request handshakes
+    stage 0 afresh. Expected: stage 1 (a PP-2 reply) is evicted when stage 0 connects with a PP-1
+    reply, so the transports' layer check does not refuse every read ("layer x is held by remote
+    PP ranks 0 and 1"). Before (found by review): nothing contradicted the params (stage 0 was new,
+    the plan never looks at stage 1), and stage 1 stayed connected until it idled out (1 h)."""
+    core = make_core(strict=False)
+    core.apply(read("w", remote_pp=2))
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, engine_id="P", pp_rank=pp, attempt=1, reply=reply("P", pp_rank=pp, pp_size=2)))
+        core.apply(ev(PeerAdded, engine_id="P", pp_rank=pp, attempt=1))
+    core.apply(ev(HandleDone, 10, request_id="w", pp_rank=1, tp_rank=0))
+    core.apply(ev(HandleFailed, 11, request_id="w", pp_rank=0, tp_rank=0, why=HandleFailure.DISCONNECTED))
+    core.apply(ev(PeerDisconnected, 11, engine_id="P", pp_rank=0, attempt=1))
+    collect(core, 12)
+    core.apply(read("d0", remote_pp=1, t=100))
+    core.apply(ev(HandshakeDone, 100, engine_id="P", pp_rank=0, attempt=2, reply=reply("P", pp_size=1)))
+    core.apply(ev(PeerAdded, 100, engine_id="P", pp_rank=0, attempt=2))
+    assert ("P", 1) not in core.engines
+    assert core.consumers["d0"].state.name == "READING"

@@ -545,3 +545,33 @@ def test_a_request_aborted_while_its_handshake_runs_notifies_the_producer_once_i
     notes = [c.notification.request_id for c in core.take_commands() if isinstance(c, SendNotification)]
     assert notes == (["p-r"] if connects == "inside-the-lease" else [])
     assert not core.engines[("P", 0)].notices
+
+
+def _pp_reply(pp: int, incarnation: str) -> Any:
+    ranks = (RankInfo(pp_rank=pp, tp_rank=0, agent=f"P{incarnation}-{pp}-0", incarnation=incarnation),)
+    return reply("P", pp_rank=pp, pp_size=2, ranks=ranks)
+
+
+def test_no_notice_is_owed_that_a_stage_connecting_alone_could_not_check() -> None:
+    """Scenario: two requests stop (abort) while their engine still handshakes: PP-2 params minted
+    by incarnation A that do not say their stage (an older producer), whose stages then connect to
+    incarnation B; and params with no lease, whose engine connects ten minutes later. Expected:
+    nothing is sent: stage-less PP params are judged against every stage at once, which one stage
+    connecting cannot do, and a notice with no lease to bound it could land on any later hold.
+    Before (found by review): both notices to B went out, and the lease-less one ten minutes on."""
+    core = make_core(strict=False)
+    core.apply(read("r", remote_pp=2, incarnation="A", lease_ns=10**12))
+    core.apply(ev(AbortRequested, 10, request_id="r"))
+    sent = []
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, 20, engine_id="P", pp_rank=pp, attempt=1, reply=_pp_reply(pp, "B")))
+        core.apply(ev(PeerAdded, 20, engine_id="P", pp_rank=pp, attempt=1))
+        sent += [c for c in core.take_commands() if isinstance(c, SendNotification)]
+    assert sent == []
+    core = make_core(strict=False)
+    core.apply(read("r"))  # lease_ns 0: not said
+    core.apply(ev(AbortRequested, 10, request_id="r"))
+    core.apply(ev(HandshakeDone, 59 * 10**9, engine_id="P", pp_rank=0, attempt=1, reply=reply()))
+    core.apply(ev(Tick, 600 * 10**9))
+    core.apply(ev(PeerAdded, 600 * 10**9, engine_id="P", pp_rank=0, attempt=1))
+    assert not [c for c in core.take_commands() if isinstance(c, SendNotification)]
