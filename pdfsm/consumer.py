@@ -542,7 +542,9 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int) -> None:
     owed, e.notices = e.notices, []
     now, skew = max(t_ns, core.latest_t_ns), core.config.hold_skew_ns
     for req, trust, cmd in owed:
-        if now < trust and _contradiction(e, req, e.pp_rank, skew) is None:
+        # The stage itself, and every other stage already connected (one may be the minting stage
+        # and show the params are of a process since replaced), as for a notice sent now.
+        if now < trust and _contradiction(e, req, e.pp_rank, skew) is None and disagreement(req, core) is None:
             core.emit(cmd)
 
 

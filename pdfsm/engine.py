@@ -252,15 +252,38 @@ def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
     core.engine_idle(m, ev.t_ns, connected=True)
 
 
+def _other_layouts(m: RemoteEngine, core: Core) -> list[RemoteEngine]:
+    """Stages of this engine id holding a reply of another PP size than ``m``'s (one scan per
+    connection: cheap)."""
+    assert m.reply is not None
+    size = m.reply.pp_size
+    return [e for (eid, pp), e in core.engines.items()
+            if eid == m.engine_id and pp != m.pp_rank and e.reply is not None and e.reply.pp_size != size]
+
+
+def _newer(a: RemoteEngine, b: RemoteEngine) -> bool:
+    """``a``'s process started after ``b``'s, both said (their replies' latest rank starts)."""
+    return bool(a.started_ns and b.started_ns) and a.started_ns > b.started_ns
+
+
+def _superseded(m: RemoteEngine, ev: PeerAdded, core: Core) -> bool:
+    """A connected sibling stage says another PP size and its process started after ``m``'s: the
+    reply ``m`` is connecting with is of the process that one replaced."""
+    return any(e.state is S.CONNECTED and _newer(e, m) for e in _other_layouts(m, core))
+
+
+def _refuse_superseded(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
+    _fail(m, HandshakeError("the reply is of a producer process replaced since: a sibling stage's newer "
+                            "reply says another PP size"), ev.t_ns, core, drop=True)
+
+
 def _evict_other_layouts(m: RemoteEngine, core: Core, t_ns: int) -> None:
     """Stages of this engine id still connected with a reply of another PP size are of a process
     this one replaced (a producer restarted with another PP split, its old stage's loss unseen):
     they would claim layers this stage holds, and every read would be refused until they idled
-    out. Evicted (owed while a read still holds one). Once per connection: a scan is cheap."""
-    assert m.reply is not None
-    size = m.reply.pp_size
-    stale = [pp for (eid, pp), e in core.engines.items()
-             if eid == m.engine_id and pp != m.pp_rank and e.reply is not None and e.reply.pp_size != size]
+    out. Evicted (owed while a read still holds one); never one whose process is the newer
+    (:func:`_superseded` refuses this stage then)."""
+    stale = [e.pp_rank for e in _other_layouts(m, core) if not _newer(e, m)]
     for pp in stale:
         core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=m.engine_id, pp_rank=pp))
 
@@ -383,7 +406,10 @@ TABLE: Final[Table] = Table(
         on(S.CONNECTING, EngineWanted, Go(S.CONNECTING, _join)),
         on(S.CONNECTING, HandshakeDone, _stale_ignored, Ignore("a reply was already accepted for this attempt")),
         on(S.CONNECTING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
-        on(S.CONNECTING, PeerAdded, _stale_ignored, Go(S.CONNECTED, _connected)),
+        on(S.CONNECTING, PeerAdded, _stale_ignored,
+           Go(S.FAILED, _refuse_superseded, when=_superseded, fault=remote,
+              reason="a sibling stage's newer reply says another PP size", explain=_explain),
+           Go(S.CONNECTED, _connected)),
         on(S.CONNECTING, PeerDisconnected, _stale_loss_ignored, Go(S.FAILED, _lost_while_connecting)),
         on(S.CONNECTING, EvictRequested, Ignore("a handshake is in progress")),
         # CONNECTED.

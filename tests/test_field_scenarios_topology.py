@@ -220,3 +220,27 @@ def test_a_stage_of_the_old_pp_layout_whose_loss_went_unseen_is_evicted_when_the
     core.apply(ev(PeerAdded, 100, engine_id="P", pp_rank=0, attempt=2))
     assert ("P", 1) not in core.engines
     assert core.consumers["d0"].state.name == "READING"
+
+
+def test_an_old_layout_stage_connecting_after_the_new_layout_is_refused_not_the_new_one_evicted() -> None:
+    """Scenario: a PP-2 producer restarted as PP 1; a request with the old PP-2 params handshakes
+    both stages: stage 1's reply comes from the old process (started at 100), stage 0's from the
+    new one (PP 1, started at 200); stage 0 connects first, a PP-1 read uses it, then stage 1's
+    peer is added. Expected: stage 1 is refused (failed: its reply is of a replaced process) and
+    stage 0 stays connected for the reads. Before (found by review): stage 1, connecting last,
+    evicted the right stage 0 and stayed, claiming layers stage 0 holds."""
+    def rep(pp: int, pp_size: int, started: int) -> Any:
+        rank = RankInfo(pp_rank=pp, tp_rank=0, agent=f"P-{started}-{pp}", started_wall_ns=started)
+        return reply("P", pp_rank=pp, pp_size=pp_size, ranks=(rank,))
+
+    core = make_core(strict=False)
+    core.apply(read("r_old", remote_pp=2))
+    core.apply(ev(HandshakeDone, 10, engine_id="P", pp_rank=1, attempt=1, reply=rep(1, 2, 100)))
+    core.apply(ev(HandshakeDone, 11, engine_id="P", pp_rank=0, attempt=1, reply=rep(0, 1, 200)))
+    core.apply(ev(PeerAdded, 12, engine_id="P", pp_rank=0, attempt=1))
+    core.apply(read("d0", remote_pp=1, t=13))
+    core.apply(ev(PeerAdded, 14, engine_id="P", pp_rank=1, attempt=1))
+    assert core.engines[("P", 1)].state.name == "FAILED"
+    e0 = core.engines[("P", 0)]
+    assert e0.state.name == "CONNECTED" and not e0.evict_owed
+    assert core.consumers["d0"].state.name == "READING"

@@ -575,3 +575,20 @@ def test_no_notice_is_owed_that_a_stage_connecting_alone_could_not_check() -> No
     core.apply(ev(Tick, 600 * 10**9))
     core.apply(ev(PeerAdded, 600 * 10**9, engine_id="P", pp_rank=0, attempt=1))
     assert not [c for c in core.take_commands() if isinstance(c, SendNotification)]
+
+
+def test_an_owed_notice_is_not_sent_once_the_minting_stage_shows_the_params_stale() -> None:
+    """Scenario: PP-2 params minted by stage 0 of incarnation A; the request is aborted while both
+    stages handshake; the producer restarted as incarnation B; stage 0 connects, then stage 1.
+    Expected: nothing is sent: stage 0's reply shows the params are of a process since replaced,
+    as a notice sent now would be judged over every connected stage. Before (found by review):
+    stage 1's owed notice went to B, which never held the request."""
+    core = make_core(strict=False)
+    core.apply(read("r", remote_pp=2, incarnation="A", incarnation_pp=0, lease_ns=10**12))
+    core.apply(ev(AbortRequested, 10, request_id="r"))
+    sent = []
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, 20, engine_id="P", pp_rank=pp, attempt=1, reply=_pp_reply(pp, "B")))
+        core.apply(ev(PeerAdded, 20, engine_id="P", pp_rank=pp, attempt=1))
+        sent += [c for c in core.take_commands() if isinstance(c, SendNotification)]
+    assert sent == []
