@@ -552,6 +552,19 @@ def _pp_reply(pp: int, incarnation: str) -> Any:
     return reply("P", pp_rank=pp, pp_size=2, ranks=ranks)
 
 
+def _owed_to_incarnation_b(incarnation_pp: int | None) -> list[SendNotification]:
+    """PP-2 params of incarnation A, aborted while both stages handshake; both connect to B."""
+    core = make_core(strict=False)
+    core.apply(read("r", remote_pp=2, incarnation="A", incarnation_pp=incarnation_pp, lease_ns=10**12))
+    core.apply(ev(AbortRequested, 10, request_id="r"))
+    sent = []
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, 20, engine_id="P", pp_rank=pp, attempt=1, reply=_pp_reply(pp, "B")))
+        core.apply(ev(PeerAdded, 20, engine_id="P", pp_rank=pp, attempt=1))
+        sent += [c for c in core.take_commands() if isinstance(c, SendNotification)]
+    return sent
+
+
 def test_no_notice_is_owed_that_a_stage_connecting_alone_could_not_check() -> None:
     """Scenario: two requests stop (abort) while their engine still handshakes: PP-2 params minted
     by incarnation A that do not say their stage (an older producer), whose stages then connect to
@@ -559,15 +572,7 @@ def test_no_notice_is_owed_that_a_stage_connecting_alone_could_not_check() -> No
     nothing is sent: stage-less PP params are judged against every stage at once, which one stage
     connecting cannot do, and a notice with no lease to bound it could land on any later hold.
     Before (found by review): both notices to B went out, and the lease-less one ten minutes on."""
-    core = make_core(strict=False)
-    core.apply(read("r", remote_pp=2, incarnation="A", lease_ns=10**12))
-    core.apply(ev(AbortRequested, 10, request_id="r"))
-    sent = []
-    for pp in (0, 1):
-        core.apply(ev(HandshakeDone, 20, engine_id="P", pp_rank=pp, attempt=1, reply=_pp_reply(pp, "B")))
-        core.apply(ev(PeerAdded, 20, engine_id="P", pp_rank=pp, attempt=1))
-        sent += [c for c in core.take_commands() if isinstance(c, SendNotification)]
-    assert sent == []
+    assert _owed_to_incarnation_b(incarnation_pp=None) == []
     core = make_core(strict=False)
     core.apply(read("r"))  # lease_ns 0: not said
     core.apply(ev(AbortRequested, 10, request_id="r"))
@@ -583,12 +588,4 @@ def test_an_owed_notice_is_not_sent_once_the_minting_stage_shows_the_params_stal
     Expected: nothing is sent: stage 0's reply shows the params are of a process since replaced,
     as a notice sent now would be judged over every connected stage. Before (found by review):
     stage 1's owed notice went to B, which never held the request."""
-    core = make_core(strict=False)
-    core.apply(read("r", remote_pp=2, incarnation="A", incarnation_pp=0, lease_ns=10**12))
-    core.apply(ev(AbortRequested, 10, request_id="r"))
-    sent = []
-    for pp in (0, 1):
-        core.apply(ev(HandshakeDone, 20, engine_id="P", pp_rank=pp, attempt=1, reply=_pp_reply(pp, "B")))
-        core.apply(ev(PeerAdded, 20, engine_id="P", pp_rank=pp, attempt=1))
-        sent += [c for c in core.take_commands() if isinstance(c, SendNotification)]
-    assert sent == []
+    assert _owed_to_incarnation_b(incarnation_pp=0) == []
