@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
-from pdfsm.engine import EngineState, RemoteEngine, ask_owed_eviction, pay_drop
+from pdfsm.engine import EngineState, RemoteEngine, ask_owed_eviction, pay_drop, stale_siblings
 from pdfsm.errors import UnsupportedPP
 from pdfsm.events import (
     AbortRequested,
@@ -541,10 +541,12 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int) -> None:
     is connected: not once their lease is over, nor when their params contradict its reply."""
     owed, e.notices = e.notices, []
     now, skew = max(t_ns, core.latest_t_ns), core.config.hold_skew_ns
+    replaced = stale_siblings(e, core)  # evicted right after: what they say no longer counts
     for req, trust, cmd in owed:
         # The stage itself, and every other stage already connected (one may be the minting stage
         # and show the params are of a process since replaced), as for a notice sent now.
-        if now < trust and _contradiction(e, req, e.pp_rank, skew) is None and disagreement(req, core) is None:
+        if (now < trust and _contradiction(e, req, e.pp_rank, skew) is None
+                and all(pp in replaced for pp, _ in contradictions(req, core))):
             core.emit(cmd)
 
 

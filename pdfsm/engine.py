@@ -50,7 +50,8 @@ from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
 if TYPE_CHECKING:
     from pdfsm.core import Core
 
-__all__ = ["TABLE", "EngineState", "RemoteEngine", "ask_owed_eviction", "pay_drop", "validate_reply"]
+__all__ = ["TABLE", "EngineState", "RemoteEngine", "ask_owed_eviction", "pay_drop", "stale_siblings",
+           "validate_reply"]
 
 
 class EngineState:
@@ -275,6 +276,12 @@ def _superseded(m: RemoteEngine, ev: PeerAdded, core: Core) -> bool:
 def _refuse_superseded(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
     _fail(m, HandshakeError("the reply is of a producer process replaced since: a sibling stage's newer "
                             "reply says another PP size"), ev.t_ns, core, drop=True)
+    m.retry_at = ev.t_ns  # the new process is there: the next request handshakes it at once
+
+
+def stale_siblings(m: RemoteEngine, core: Core) -> set[int]:
+    """The PP ranks of sibling stages ``m``'s connection replaces (another PP size, not newer)."""
+    return {e.pp_rank for e in _other_layouts(m, core) if not _newer(e, m)}
 
 
 def _evict_other_layouts(m: RemoteEngine, core: Core, t_ns: int) -> None:
@@ -283,8 +290,7 @@ def _evict_other_layouts(m: RemoteEngine, core: Core, t_ns: int) -> None:
     they would claim layers this stage holds, and every read would be refused until they idled
     out. Evicted (owed while a read still holds one); never one whose process is the newer
     (:func:`_superseded` refuses this stage then)."""
-    stale = [e.pp_rank for e in _other_layouts(m, core) if not _newer(e, m)]
-    for pp in stale:
+    for pp in sorted(stale_siblings(m, core)):
         core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=m.engine_id, pp_rank=pp))
 
 

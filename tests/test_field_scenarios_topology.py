@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import SimPair, collect, ev, handshake, make_core, notes, read, reply, stop_while_handshaking
 
-from pdfsm.commands import HandOff, PostRead, StartHandshake
+from pdfsm.commands import HandOff, PostRead, SendNotification, StartHandshake
 from pdfsm.events import (
     AbortRequested,
     HandleDone,
@@ -244,3 +244,33 @@ def test_an_old_layout_stage_connecting_after_the_new_layout_is_refused_not_the_
     e0 = core.engines[("P", 0)]
     assert e0.state.name == "CONNECTED" and not e0.evict_owed
     assert core.consumers["d0"].state.name == "READING"
+
+
+def _staged_reply(pp: int, pp_size: int, started: int) -> Any:
+    rank = RankInfo(pp_rank=pp, tp_rank=0, agent=f"P-{started}-{pp}", started_wall_ns=started)
+    return reply("P", pp_rank=pp, pp_size=pp_size, ranks=(rank,))
+
+
+@pytest.mark.parametrize("stale_first", [True, False])
+def test_a_stage_of_a_replaced_process_neither_blocks_an_owed_notice_nor_delays_the_next_request(
+        stale_first: bool) -> None:
+    """Scenario: PP-2 params of a new process; the request is aborted while both stages handshake;
+    stage 1's reply comes from the replaced PP-3 process (started 100), stage 0's from the new one
+    (started 200); the stages connect in either order; a request comes right after. Expected: stage
+    0's owed notice is sent (the stale stage, evicted or refused, does not count against the
+    params), and the next request handshakes stage 1 again at once rather than failing for the
+    retry pause. Before (found by review): with the stale stage connected first the notice was
+    dropped; with it refused, requests failed for handshake_retry_ns."""
+    core = make_core(strict=False)
+    core.apply(read("r", remote_pp=2, lease_ns=10**12))
+    core.apply(ev(AbortRequested, 5, request_id="r"))
+    core.apply(ev(HandshakeDone, 10, engine_id="P", pp_rank=1, attempt=1, reply=_staged_reply(1, 3, 100)))
+    core.apply(ev(HandshakeDone, 10, engine_id="P", pp_rank=0, attempt=1, reply=_staged_reply(0, 2, 200)))
+    sent = []
+    for pp in ((1, 0) if stale_first else (0, 1)):
+        core.apply(ev(PeerAdded, 20, engine_id="P", pp_rank=pp, attempt=1))
+        sent += [(c.pp_rank, c.notification.request_id) for c in core.take_commands()
+                 if isinstance(c, SendNotification)]
+    assert sent == [(0, "p-r")]
+    core.apply(read("d", remote_pp=2, t=21))
+    assert [c.pp_rank for c in core.take_commands() if isinstance(c, StartHandshake)] == [1]
