@@ -132,6 +132,21 @@ def test_a_remote_layout_of_more_than_max_ranks_in_all_is_refused_before_a_plan_
                           remote_block_ids=(1,), remote_tp_size=32, remote_pp_size=32))
 
 
+def test_params_naming_no_remote_block_are_refused_and_notify_nobody() -> None:
+    """vLLM PR 18590 / 18632: a prompt shorter than one block leaves the prefill nothing to hold,
+    and the decode side must not send it a "free" notification. Scenario: params with
+    `remote_block_ids=[]` (pdfsm's producer never mints them: `request_finished` refuses an empty
+    hold) loaded with no local block. Expected: InvalidInput naming the field, nothing submitted.
+    Before (found by review): accepted as notify-only, a notification went to a producer that
+    never held the request, which staged it a whole lease and then recorded a remote fault."""
+    net = SimNetwork()
+    c = Connector(CoreConfig(engine_id="D"), SimTransport(net, "D-0"), SimHandshaker(net))
+    with pytest.raises(InvalidInput, match="names no block") as err:
+        c.load("x", [], dict(lease_ns=60_000_000_000, remote_engine_id="P", remote_request_id="p",
+                             remote_block_ids=[], remote_tp_size=1))
+    assert err.value.field == "remote_block_ids" and not c.core.log.inbox
+
+
 # --- 4. a lease beyond 64 bits kills the durable log ---------------------------------------------------
 
 
