@@ -149,8 +149,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInput("lease_ns", "missing or 0 in kv_transfer_params: the producer's lease on the blocks "
                                            "bounds how long a read of them can be trusted")
         if not parsed.remote_block_ids:  # a producer holds no request without blocks (request_finished refuses one)
-            raise InvalidInput("remote_block_ids", "names no block: there is nothing to read and no hold to "
-                                                   "release (vLLM PR 18590: no notification for such a request)")
+            raise InvalidInput("remote_block_ids", "names no block: with no remote blocks there is nothing to "
+                                                   "read and no hold to release (vLLM PR 18590: no notification "
+                                                   "for such a request)")
         if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
             raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
                                                         f"with PP {parsed.remote_pp_size}")

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
-from pdfsm.engine import EngineState, RemoteEngine, ask_owed_eviction, pay_drop, stale_siblings
+from pdfsm.engine import EngineState, RemoteEngine, ask_owed_eviction, pay_drop
 from pdfsm.errors import UnsupportedPP
 from pdfsm.events import (
     AbortRequested,
@@ -296,13 +296,13 @@ def _disagrees_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bo
 def _read_past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """A read's deadline passed (its Tick not applied yet): it fails now, before another stage is
     handshaken again for it (notify-only requests have their own options)."""
-    return m.req is not None and bool(m.req.local_blocks) and _past_deadline(m, ev, core)
+    return not _nothing_to_read(m, ev, core) and _past_deadline(m, ev, core)
 
 
 def _read_disagrees_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """A read's params contradict a handshake reply: refused now, before another stage is
     handshaken again for it."""
-    return m.req is not None and bool(m.req.local_blocks) and _disagrees_when_ready(m, ev, core)
+    return not _nothing_to_read(m, ev, core) and _disagrees_when_ready(m, ev, core)
 
 
 def _disagrees_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -485,8 +485,8 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
         elif not (m.waiting >> pp) & 1:
             m.waiting |= 1 << pp
             core.watch(m.request_id, key, req.host, req.port, t_ns)  # now: retry pauses are judged by it
-            if e is not None and e.state is ENGINE_FAILED and t_ns < e.retry_at and not e.elsewhere(req.host, req.port):
-                break  # it fails the request at once (engine._retry_later): news from a second would reach it ended
+            if e is not None and e.state is ENGINE_FAILED and e.pausing(t_ns, req.host, req.port):
+                break  # it fails the request at once: news from a second would reach it ended
     m.waited |= m.waiting
 
 
@@ -536,12 +536,12 @@ def _may_owe(req: ReadRequested) -> bool:
     return req.lease_ns > 0 and not stageless
 
 
-def send_owed(e: RemoteEngine, core: Core, t_ns: int) -> None:
+def send_owed(e: RemoteEngine, core: Core, t_ns: int, replaced: set[int]) -> None:
     """The notices owed to ``e``'s ranks by requests that stopped while it handshook, now that it
-    is connected: not once their lease is over, nor when their params contradict its reply."""
+    is connected: not once their lease is over, nor when their params contradict its reply or a
+    sibling stage's (but the ``replaced`` ones, evicted right after)."""
     owed, e.notices = e.notices, []
     now, skew = max(t_ns, core.latest_t_ns), core.config.hold_skew_ns
-    replaced = stale_siblings(e, core)  # evicted right after: what they say no longer counts
     for req, trust, cmd in owed:
         # The stage itself, and every other stage already connected (one may be the minting stage
         # and show the params are of a process since replaced), as for a notice sent now.

@@ -445,9 +445,9 @@ class Core:
             self.idle.disarm(f"{e.pp_rank}:{e.engine_id}", e.idle_at)
             e.idle_at = None
 
-    def send_owed(self, e: engine.RemoteEngine, t_ns: int) -> None:
+    def send_owed(self, e: engine.RemoteEngine, t_ns: int, replaced: set[int]) -> None:
         """``e`` connected: send the notices requests that stopped meanwhile owe its ranks."""
-        consumer.send_owed(e, self, t_ns)
+        consumer.send_owed(e, self, t_ns, replaced)
 
     def handshake_started(self, e: engine.RemoteEngine, t_ns: int) -> None:
         """Bound a handshake attempt by ``handshake_timeout_ns``: a handshaker that never answers

@@ -50,8 +50,7 @@ from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
 if TYPE_CHECKING:
     from pdfsm.core import Core
 
-__all__ = ["TABLE", "EngineState", "RemoteEngine", "ask_owed_eviction", "pay_drop", "stale_siblings",
-           "validate_reply"]
+__all__ = ["TABLE", "EngineState", "RemoteEngine", "ask_owed_eviction", "pay_drop", "validate_reply"]
 
 
 class EngineState:
@@ -117,6 +116,11 @@ class RemoteEngine:
         """``host:port`` is another address than the one it was handshaken at (port 0: none given)."""
         return bool(port and self.port and (port != self.port or host != self.host))
 
+    def pausing(self, t_ns: int, host: str, port: int) -> bool:
+        """Within the pause after a failed handshake, at the address that failed: a request now
+        fails at once; an address not tried yet (a producer that moved) is handshaken now."""
+        return t_ns < self.retry_at and not self.elsewhere(host, port)
+
     @property
     def key(self) -> tuple[str, int]:
         return (self.engine_id, self.pp_rank)
@@ -169,9 +173,7 @@ def _reply_refused(m: RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
 
 
 def _retry_later(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
-    """Within the pause after a failed handshake, at the address that failed (port 0: none given);
-    an address not tried yet (a producer that moved) is handshaken now."""
-    return ev.t_ns < m.retry_at and not m.elsewhere(ev.host, ev.port)
+    return m.pausing(ev.t_ns, ev.host, ev.port)
 
 
 def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> bool:
@@ -246,9 +248,15 @@ def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
 
 
 def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
+    # Sibling stages this connection replaces (another PP size, not newer): a producer restarted
+    # with another PP split, its old stage's loss unseen. They would claim layers this stage holds,
+    # and every read would be refused until they idled out: evicted (owed while a read holds one),
+    # and what their replies say no longer counts against the notices owed to this stage.
+    stale = {e.pp_rank for e in _other_layouts(m, core) if not _newer(e, m)}
     if m.notices:
-        core.send_owed(m, ev.t_ns)
-    _evict_other_layouts(m, core, ev.t_ns)
+        core.send_owed(m, ev.t_ns, stale)
+    for pp in sorted(stale):
+        core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=m.engine_id, pp_rank=pp))
     _tell_waiters(m, core, ev.t_ns)
     core.engine_idle(m, ev.t_ns, connected=True)
 
@@ -269,7 +277,8 @@ def _newer(a: RemoteEngine, b: RemoteEngine) -> bool:
 
 def _superseded(m: RemoteEngine, ev: PeerAdded, core: Core) -> bool:
     """A connected sibling stage says another PP size and its process started after ``m``'s: the
-    reply ``m`` is connecting with is of the process that one replaced."""
+    reply ``m`` is connecting with is of the process that one replaced (_connected evicts only
+    older siblings)."""
     return any(e.state is S.CONNECTED and _newer(e, m) for e in _other_layouts(m, core))
 
 
@@ -277,21 +286,6 @@ def _refuse_superseded(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
     _fail(m, HandshakeError("the reply is of a producer process replaced since: a sibling stage's newer "
                             "reply says another PP size"), ev.t_ns, core, drop=True)
     m.retry_at = ev.t_ns  # the new process is there: the next request handshakes it at once
-
-
-def stale_siblings(m: RemoteEngine, core: Core) -> set[int]:
-    """The PP ranks of sibling stages ``m``'s connection replaces (another PP size, not newer)."""
-    return {e.pp_rank for e in _other_layouts(m, core) if not _newer(e, m)}
-
-
-def _evict_other_layouts(m: RemoteEngine, core: Core, t_ns: int) -> None:
-    """Stages of this engine id still connected with a reply of another PP size are of a process
-    this one replaced (a producer restarted with another PP split, its old stage's loss unseen):
-    they would claim layers this stage holds, and every read would be refused until they idled
-    out. Evicted (owed while a read still holds one); never one whose process is the newer
-    (:func:`_superseded` refuses this stage then)."""
-    for pp in sorted(stale_siblings(m, core)):
-        core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=m.engine_id, pp_rank=pp))
 
 
 def _handshake_failed(m: RemoteEngine, ev: HandshakeFailed, core: Core) -> None:

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -243,21 +244,20 @@ class Engine:
         blocks = [self.free.pop() for _ in range(op.blocks)]
         a = self.args
         index = torch.tensor(blocks, device=a.kv_device)
-        params = None
-        issued = time.time_ns()  # one stamp for every rank's hold: notifications name it exactly
         for w in self.workers:
             for k, layer in enumerate(w.layers):
                 full = request_bytes(op.seed, layer, op.blocks, 1 if a.mla else a.heads, a.head_bytes)
                 mine = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
                 w.kv[k].index_copy_(0, index, mine.to(a.kv_device))
-            try:
-                params = w.conn.request_finished(op.rid, blocks, issued_wall_ns=issued)
-            except InvalidInput as exc:
-                if w is not self.workers[0]:  # every rank is asked the same: only the first can refuse
-                    raise
-                self.free.extend(blocks)
-                emit(Result(ev="error", rid=op.rid, reason=f"hold refused: {exc}"))
-                return
+        issued = time.time_ns()  # one stamp for every rank's hold: notifications name it exactly
+        minted: list[KVTransferParams] = []  # every rank's hold: the params name all of them alike
+
+        def hold(w: Worker) -> None:
+            minted.append(w.conn.request_finished(op.rid, blocks, issued_wall_ns=issued))
+
+        if not self._every_rank(op.rid, "hold", blocks, hold):
+            return
+        params = minted[-1]
         if a.kv_device != "cpu":
             torch.cuda.synchronize()  # the copies are asynchronous; a READ must find them done
         for w in self.workers:  # write-ahead: the hold is in the log before its params leave us
@@ -266,28 +266,34 @@ class Engine:
         self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
         emit(Result(ev="prefilled", rid=op.rid, params=params))
 
+    def _every_rank(self, rid: str, what: str, blocks: list[int], call: Callable[[Worker], object]) -> bool:
+        """``call`` on every rank, in order. Each is asked the same, so only the first can refuse
+        (``InvalidInput``, having accepted nothing): then ``blocks`` go back to the pool, the
+        refusal is an error result, and False says the op ends there."""
+        for i, w in enumerate(self.workers):
+            try:
+                call(w)
+            except InvalidInput as exc:
+                if i:
+                    raise
+                self.free.extend(blocks)
+                emit(Result(ev="error", rid=rid, reason=f"{what} refused: {exc}"))
+                return False
+        return True
+
     def load(self, op: Load) -> None:
         if op.rid in self.held:  # one entry per rid: a second would take over the first's books
             emit(Result(ev="error", rid=op.rid, reason="request id already held"))
             return
-        n = len(op.params.remote_block_ids)
-        if not n:  # the connector takes it as notify-only and never reports it: it would be held for ever
-            emit(Result(ev="error", rid=op.rid, reason="load refused: params name no remote blocks to read"))
-            return
+        n = len(op.params.remote_block_ids)  # none: the connector refuses the params
         if len(self.free) < n:
             emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
             return
         blocks = [self.free.pop() for _ in range(n)]
         lease_start = time.monotonic_ns() - int(op.age_s * 1e9)
-        for i, w in enumerate(self.workers):
-            try:
-                w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)
-            except InvalidInput as exc:
-                if i:  # every rank is asked the same: only the first can refuse, having accepted nothing
-                    raise
-                self.free.extend(blocks)
-                emit(Result(ev="error", rid=op.rid, reason=f"load refused: {exc}"))
-                return
+        if not self._every_rank(op.rid, "load", blocks,
+                                lambda w: w.conn.load(op.rid, blocks, op.params, lease_start_ns=lease_start)):
+            return
         self.held[op.rid] = (blocks, op.seed, set(range(len(self.workers))))
         self.params[op.rid] = op.params
         if op.abort:
@@ -304,14 +310,8 @@ class Engine:
         if op.stage == "reading" and not soon:
             self.aborts.add(op.rid)
             return
-        for i, w in enumerate(self.workers):
-            try:
-                w.conn.abort(op.rid)
-            except InvalidInput as exc:
-                if i:  # every rank is asked the same: only the first can refuse, having taken nothing
-                    raise
-                emit(Result(ev="error", rid=op.rid, reason=f"abort refused: {exc}"))
-                return
+        if not self._every_rank(op.rid, "abort", [], lambda w: w.conn.abort(op.rid)):
+            return
 
     def tamper(self, op: Tamper) -> None:
         for w in self.workers:
