@@ -41,7 +41,7 @@ class DecodeScheduler:
     def add(self, request_id: str, params: KVTransferParams, arrived_ns: int, *, cached: int = 0) -> None:
         """``cached``: how many leading blocks the local prefix cache already holds."""
         blocks = [self.free.popleft() for _ in params.remote_block_ids[cached:]]
-        self.connector.load(request_id, blocks, params, lease_start_ns=arrived_ns)
+        self.connector.load(request_id, blocks, params, lease_start_ns=arrived_ns, computed_blocks=cached)
         if blocks:
             self.waiting_for_kv[request_id] = blocks
         else:  # a full prefix hit: nothing to read, never reported; the producer is told to release

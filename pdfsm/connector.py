@@ -169,6 +169,9 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
     # CLOCK_MONOTONIC) still counts the lease right. The worker passes ``now - age`` as ``load``'s
     # ``lease_start_ns``; missing means now.
     lease_ages: dict[str, int] = {}
+    # How many leading prompt blocks each request of reqs_to_recv holds locally (a prefix hit):
+    # its local blocks pair with the remote ones from there. Missing: no prefix hit (``load``).
+    computed_blocks: dict[str, int] = {}
     # When the scheduler decided each hold of reqs_to_send, on its wall clock (ns): one stamp that
     # every rank's hold and the params share, so notifications name their hold exactly whatever
     # the ranks' clocks say. Missing: each worker stamps its own (within CoreConfig.hold_skew_ns).
@@ -194,6 +197,25 @@ def _requested(p: KVTransferParams, request_id: str, t_ns: int, **rest: Any) -> 
                          port=p.remote_port, remote_tp=p.remote_tp_size, remote_pp=p.remote_pp_size,
                          incarnation=p.remote_incarnation, incarnation_pp=p.remote_incarnation_pp,
                          issued_wall_ns=p.issued_wall_ns, **rest)
+
+
+def _paired(local: tuple[int, ...], remote: tuple[int, ...], computed: int | None) -> tuple[int, ...]:
+    """The remote blocks the local ones receive, position by position (vLLM PR 50558)."""
+    if computed is not None:
+        _check_int("computed_blocks", computed, low=0, high=_MAX_BLOCK_ID)
+    if not local:  # notify-only
+        return ()
+    if computed is None:
+        if len(local) < len(remote):
+            raise InvalidInput("computed_blocks", f"{len(local)} local blocks for {len(remote)} remote ones and "
+                                                  "no computed_blocks: say how many leading prompt blocks are a "
+                                                  "local prefix hit, so blocks pair by position")
+        computed = 0
+    if computed + len(local) > len(remote):
+        raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones after "
+                                              f"{computed} computed: they reach past the producer's blocks, "
+                                              "positions it never computed; compute those locally")
+    return remote[computed:computed + len(local)]
 
 
 @contextmanager
@@ -433,12 +455,18 @@ class Connector:
         params: KVTransferParams | Mapping[str, Any],
         *,
         lease_start_ns: int | None = None,
+        computed_blocks: int | None = None,
     ) -> None:
         """Pull a request's KV blocks from the producer named in ``params``.
 
-        ``local_block_ids`` may be shorter than the remote ones (a partial local prefix
-        hit): the last remote blocks are read. Empty means notify-only: nothing is
-        read, the producer is told it may release, and the request is not reported.
+        Blocks pair by prompt position: local block ``i`` receives remote block
+        ``computed_blocks + i``, where ``computed_blocks`` is how many leading prompt blocks
+        this side already holds (a local prefix hit). Local blocks reaching past the remote
+        ones are refused (the producer never computed them). ``None`` says there was no
+        prefix hit and needs as many local blocks as remote ones: a shorter list is refused,
+        not guessed at (reading the last remote blocks was wrong whenever the producer held a
+        block past its prompt or the decode prompt ran longer). Empty means notify-only: nothing
+        is read, the producer is told it may release, and the request is not reported.
         A request id is loaded once: an id in use, queued or remembered is refused.
 
         ``lease_start_ns``: on this connector's clock, and not after now, the time from which
@@ -452,11 +480,12 @@ class Connector:
         :meth:`heartbeat` does not move the start: nothing confirms the producer got it.
         """
         self._open()
-        self._submit_load(*self._read_requested(request_id, local_block_ids, params, lease_start_ns))
+        self._submit_load(*self._read_requested(request_id, local_block_ids, params, lease_start_ns,
+                                                computed_blocks))
 
     def _read_requested(self, request_id: str, local_block_ids: Sequence[int],
                         params: KVTransferParams | Mapping[str, Any],
-                        lease_start_ns: int | None) -> tuple[ReadRequested, _Minting]:
+                        lease_start_ns: int | None, computed_blocks: int | None) -> tuple[ReadRequested, _Minting]:
         rid = _check_id("request_id", request_id)
         p = KVTransferParams.parse(params)
         _check_id("remote_request_id", p.remote_request_id)
@@ -468,9 +497,6 @@ class Connector:
             block = next(b for b in local if b in self._writing)
             raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
                                                   "it is free again once that request is reported finished")
-        remote = p.remote_block_ids
-        if len(local) > len(remote):
-            raise InvalidInput("local_block_ids", f"{len(local)} local blocks for {len(remote)} remote ones")
         now = self._clock()
         if lease_start_ns is not None:  # before the clock's zero is a real start (a process-relative clock)
             _check_int("lease_start_ns", lease_start_ns, low=-MAX_DURATION_NS)
@@ -483,6 +509,7 @@ class Connector:
             transit = self._wall_clock() - p.issued_wall_ns
             if transit > 0:
                 lease_start_ns = min(now if lease_start_ns is None else lease_start_ns, now - transit)
+        remote = _paired(local, p.remote_block_ids, computed_blocks)
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
         minting = _minting(p)
@@ -490,7 +517,6 @@ class Connector:
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
-        remote = remote[len(remote) - len(local):] if local else ()
         return _requested(p, rid, now, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
                           lease_start_ns=lease_start_ns), minting
 
@@ -540,13 +566,15 @@ class Connector:
         if not isinstance(metadata, ConnectorMetadata):
             raise InvalidInput("metadata", f"must be a ConnectorMetadata, got {type(metadata).__name__}")
         for name, kinds in (("reqs_to_recv", Mapping), ("reqs_to_send", Mapping), ("aborted", (tuple, list)),
-                            ("lease_ages", Mapping), ("hold_issued", Mapping)):
+                            ("lease_ages", Mapping), ("computed_blocks", Mapping),
+                            ("hold_issued", Mapping)):
             value = getattr(metadata, name)
             if not isinstance(value, kinds):
                 raise InvalidInput(name, f"must be a {'mapping' if kinds is Mapping else 'sequence of ids'}, "
                                          f"got {type(value).__name__}")
         loads: list[tuple[ReadRequested, _Minting]] = []
-        for extra, of in (("lease_ages", "reqs_to_recv"), ("hold_issued", "reqs_to_send")):
+        for extra, of in (("lease_ages", "reqs_to_recv"), ("computed_blocks", "reqs_to_recv"),
+                          ("hold_issued", "reqs_to_send")):
             stray = sorted(set(getattr(metadata, extra)) - set(getattr(metadata, of)), key=str)
             if stray:
                 raise InvalidInput(extra, f"{stray!r} not in {of}")
@@ -560,7 +588,7 @@ class Connector:
             with _naming("reqs_to_recv", rid):
                 if not isinstance(entry, tuple) or len(entry) != 2:
                     raise InvalidInput("entry", f"must be (local_block_ids, params), got {entry!r}")
-                loads.append(self._read_requested(rid, entry[0], entry[1], start))
+                loads.append(self._read_requested(rid, entry[0], entry[1], start, metadata.computed_blocks.get(rid)))
         holds: list[BlocksHeld] = []
         for rid, blocks in metadata.reqs_to_send.items():
             issued = metadata.hold_issued.get(rid)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pdfsm.commands import HandOff, SendNotification
-from pdfsm.connector import Connector
+from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.core import Core
 from pdfsm.events import (
     AbortRequested,
@@ -237,6 +237,11 @@ class LeaseWorld:
 
     def read_bytes_ok(self, local: list[int], remote: list[int]) -> bool:
         return all(self.cons.block(lb) == pattern("P-0", rb, LEASE_BLOCK) for lb, rb in zip(local, remote, strict=True))
+
+
+def prefix_hit(params: Any, local: Any) -> int:
+    """``computed_blocks`` for a load whose local blocks are the prompt's last ones."""
+    return len(KVTransferParams.parse(params).remote_block_ids) - len(local)
 
 
 def eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:

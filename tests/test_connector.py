@@ -99,10 +99,10 @@ def test_blocks_move_and_every_request_is_reported_once(p_tp: int, d_tp: int, ml
     assert all(not d.get_block_ids_with_load_errors() for d in w.d)
 
 
-def test_partial_prefix_hit_reads_the_last_remote_blocks() -> None:
+def test_partial_prefix_hit_reads_the_blocks_after_the_computed_ones() -> None:
     w = World()
     params = w.prefill("p1", [1, 2, 3])
-    w.d[0].load("d1", [20], params)
+    w.d[0].load("d1", [20], params, computed_blocks=2)
     _, recv = w.run()
     assert recv == {"d1": 1} and w.verify(0, [20], [3])
 

@@ -121,12 +121,54 @@ def test_vllm_pr_48758_partial_prefix_hit_reads_the_tail_not_the_head() -> None:
     last remote blocks, byte for byte, and the producer is released once."""
     pair = Pair()
     params = pair.p.request_finished("p1", [10, 11, 12])
-    pair.d.load("d1", [40], params)  # the first two blocks were a local prefix hit
+    pair.d.load("d1", [40], params, computed_blocks=2)  # the first two blocks were a local prefix hit
     d_seen, p_seen = pair.run()
     assert flat(d_seen) == ["d1"] and flat(p_seen) == ["p1"]
     assert pair.cons.block(40) == pattern("P-0", 12, 64)
     (note,) = [m for _, m in pair.cons.sent]
     assert note.request_id == "p1"
+
+
+@pytest.mark.parametrize(("case", "remote", "local", "computed", "reads"), [
+    # The prefill held a block past its 4-block prompt (the first sampled token's; vLLM issue
+    # 30358, PR 55053): no prefix hit, the prompt's blocks are the first four.
+    ("producer-extra-block", [4, 5, 6, 7, 8], [30, 31, 32, 33], 0, [4, 5, 6, 7]),
+    # A prefix hit of one block, then the next two prompt blocks: the middle, not the tail.
+    ("middle", [4, 5, 6, 7], [30, 31], 1, [5, 6]),
+])
+def test_vllm_pr_50558_blocks_pair_by_prompt_position_not_from_the_tail(
+        case: str, remote: list[int], local: list[int], computed: int, reads: list[int]) -> None:
+    """https://github.com/vllm-project/vllm/pull/50558 (review: "position not count") -- the
+    connector paired local blocks with the *last* remote ones, which silently read the wrong
+    prompt blocks whenever the producer held a block past its prompt or the local blocks did not
+    end where the producer's did; the request was reported received. pdfsm pairs local block
+    ``i`` with remote block ``computed_blocks + i``, byte for byte."""
+    pair = Pair()
+    params = pair.p.request_finished("p1", remote)
+    pair.d.load("d1", local, params, computed_blocks=computed)
+    d_seen, p_seen = pair.run()
+    assert flat(d_seen) == ["d1"] and flat(p_seen) == ["p1"], case
+    assert [pair.cons.block(b) for b in local] == [pattern("P-0", r, 64) for r in reads]
+
+
+def test_vllm_pr_50558_a_partial_load_that_does_not_say_its_prefix_hit_is_refused() -> None:
+    """https://github.com/vllm-project/vllm/pull/50558 -- fewer local blocks than remote ones are
+    ambiguous (a prefix hit, or a producer holding blocks past its prompt); guessing the tail
+    corrupted silently. Refused by name, nothing accepted; with ``computed_blocks`` it loads. A
+    decode prompt longer than the producer's (a proxy appending the first sampled token, MTP
+    lookahead blocks: vLLM PRs 46694, 50173) reaches past the producer's blocks: refused."""
+    pair = Pair()
+    params = pair.p.request_finished("p1", [4, 5, 6, 7])
+    with pytest.raises(InvalidInput, match="computed_blocks"):
+        pair.d.load("d1", [20, 21], params)
+    with pytest.raises(InvalidInput, match="local_block_ids"):  # prompt blocks 3 and 4: P has 0..3
+        pair.d.load("d1", [20, 21], params, computed_blocks=3)
+    with pytest.raises(InvalidInput, match="computed_blocks"):
+        pair.d.load("d1", [20], params, computed_blocks=-1)
+    assert not pair.d.core.log.inbox and "d1" not in pair.d.core.consumers
+    pair.d.load("d1", [20], params, computed_blocks=3)
+    d_seen, _ = pair.run()
+    assert flat(d_seen) == ["d1"] and pair.cons.block(20) == pattern("P-0", 7, 64)
 
 
 def test_vllm_issue_52234_out_of_range_remote_blocks_fail_with_invalid_blocks() -> None:

@@ -358,7 +358,8 @@ def test_sglang_issue_40125_two_decode_requests_claiming_one_transfer_do_not_cra
     with pytest.raises(InvalidInput, match="single-use"):
         pair.d.load("b", [7, 8], params)
     with pytest.raises(InvalidInput, match="single-use"):
-        pair.d.start_load_kv(ConnectorMetadata(reqs_to_recv={"c": ((9,), params), "e": ((10,), params)}))
+        pair.d.start_load_kv(ConnectorMetadata(reqs_to_recv={"c": ((9,), params), "e": ((10,), params)},
+                                                       computed_blocks={"c": 1, "e": 1}))
     cons2 = SimTransport(pair.net, "D2-0")
     d2 = Connector(CoreConfig(engine_id="D2", compat_hash="h"), cons2, SimHandshaker(pair.net), clock=pair.clock)
     d2.load("a", [5, 6], params)  # another decode engine, the same room

@@ -11,7 +11,7 @@ import random
 from typing import Any
 
 import pytest
-from helpers import reply
+from helpers import prefix_hit, reply
 
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.errors import InvalidInput
@@ -64,7 +64,7 @@ class Rig:
 
     def load(self, rid: str, local: list[int], params: Any) -> None:
         for d in self.d:
-            d.load(rid, local, params)
+            d.load(rid, local, params, computed_blocks=prefix_hit(params, local))
 
     def step_d(self) -> None:
         for r, d in enumerate(self.d):
@@ -285,7 +285,7 @@ def _rand_run(seed: int, p_tp: int, d_tp: int, lease_ns: int) -> list[str]:
                         rig.net.script(rid, 0, t, ReadScript(polls=rnd.randint(3, 40)))
                 for d in rig.d:
                     try:
-                        d.load(rid, list(local), params)
+                        d.load(rid, list(local), params, computed_blocks=prefix_hit(params, local))
                     except InvalidInput as exc:
                         errors.append(f"load {rid} into free blocks refused: {exc}")
                 if local:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import LeaseWorld, reply
+from helpers import LeaseWorld, prefix_hit, reply
 
 from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
@@ -60,7 +60,7 @@ class Rig:
 
     def load(self, rid: str, local: list[int], params: Any) -> None:
         for d in self.d:
-            d.load(rid, local, params)
+            d.load(rid, local, params, computed_blocks=prefix_hit(params, local))
 
     def step(self, n: int = 1, dt: int = 1_000) -> None:
         for _ in range(n):
@@ -378,7 +378,7 @@ class _Sched:
                  issued: int) -> None:
         rig = self.rig
         try:
-            rig.d[0].load(rid, list(local), params, lease_start_ns=issued)
+            rig.d[0].load(rid, list(local), params, lease_start_ns=issued, computed_blocks=prefix_hit(params, local))
         except InvalidInput as exc:
             self.errors.append(f"load of {rid} into free blocks {local} refused: {exc}")
             self.d_free += local

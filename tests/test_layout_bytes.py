@@ -221,7 +221,8 @@ class World:
         for did, pid, remote, local in reqs:
             got = {k: conn.request_finished(pid, list(remote)) for k, conn in self.p.items()}
             recv[did] = (local, KVTransferParams.parse(got[(0, 0)].to_dict()))
-        meta = ConnectorMetadata(reqs_to_recv=recv, lease_ages=dict.fromkeys(recv, 0))
+        tails = {did: len(remote) - len(local) for did, _, remote, local in reqs}  # the prompt's last blocks
+        meta = ConnectorMetadata(reqs_to_recv=recv, lease_ages=dict.fromkeys(recv, 0), computed_blocks=tails)
         pids = [pid for _, pid, _, _ in reqs]
         first, deadline = True, time.monotonic() + 15
         while True:

@@ -126,7 +126,7 @@ def test_connector_pair_moves_blocks(xfer_mode: str) -> None:
         remote = [3, 4, 5, 6, 40, 41, 17, 2, 9]  # runs, a jump back, singles
         local = [10, 11, 12, 0, 1, 47, 30, 31]  # a partial prefix hit: the last 8 remote blocks
         params = p.conn.request_finished("req-p", remote)
-        d.conn.load("req-d", local, params)
+        d.conn.load("req-d", local, params, computed_blocks=1)
         run_until([p, d], lambda: "req-d" in d.recving and "req-p" in p.sending)
         assert not d.conn.last.failed
         for k in range(2):
