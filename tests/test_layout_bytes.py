@@ -8,8 +8,8 @@ block compared with the reference, blocks outside the request must keep their ow
   stages, 7 over 4), on both sides when the PP sizes are equal (docs/transports.md, "Layer pairing
   and pipeline parallelism": each producer PP rank holds a contiguous range of layers; regions are
   paired by layer id, not by position);
-- partial local prefix hits: fewer local blocks than remote ones, "the last remote blocks are
-  read" (Connector.load's docstring, docs/embedding.md ``update_state_after_alloc``);
+- partial local prefix hits: fewer local blocks than remote ones, the prompt's last blocks here
+  (``computed_blocks``: Connector.load's docstring, docs/embedding.md);
 - different block counts on each side (a consumer with fewer blocks than the producer and more);
 - repeated remote block ids in the producer's table;
 - many layers (K and V as separate regions, ``2*layer + kv``, as docs/transports.md says to

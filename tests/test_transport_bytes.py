@@ -71,7 +71,7 @@ class Scenario:
         self.layers, self.heads, self.head_bytes, self.mla = layers, heads, head_bytes, mla
         self.p_blocks, self.d_blocks = p_blocks, d_blocks
         self.remote_all, self.local = remote, local
-        # A partial local prefix hit: the last remote blocks are read (Connector.load).
+        # A partial local prefix hit of the prompt's last blocks (Connector.load's computed_blocks).
         self.remote = remote[len(remote) - len(local):] if local else []
         self.p_orders, self.d_orders = p_orders, d_orders
         gen = torch.Generator().manual_seed(seed)
