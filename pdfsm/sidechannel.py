@@ -26,10 +26,8 @@ import socket
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -71,6 +69,7 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Version = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=8, max_length=64)]
+Destination = tuple[str, int]  # a listener's (host, port), as the params name it
 
 
 class ErrorCode:
@@ -660,12 +659,23 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
 class SideChannelHandshaker:
     """The :class:`~transports.base.Handshaker` over the side channel.
 
-    :meth:`start` queues the attempt on a small thread pool and returns; the worker submits
-    exactly one HandshakeDone or HandshakeFailed for it (unless :meth:`close` abandoned it
-    first). What the reply says about the remote engine is judged by the engine machine."""
+    :meth:`start` queues the attempt and returns; a worker thread submits exactly one
+    HandshakeDone or HandshakeFailed for it (unless :meth:`close` abandoned it first). What the
+    reply says about the remote engine is judged by the engine machine.
+
+    A hung listener (a stopped process: its kernel still completes connects) holds a thread for
+    the whole ``timeout`` of every attempt to it, so that one remote's hang neither fails nor
+    holds up a handshake to another (docs/side-channel.md, "Scheduling"): at most
+    ``max_per_destination`` attempts run per (host, port), the rest wait behind their own
+    destination; threads start on demand, at most ``max_workers``; a freed thread goes to a
+    waiting destination whose last attempt did not time out before one whose did, then to the one
+    with the fewest attempts running; and ``timeout`` counts from when the attempt runs, not while
+    it waits (the core bounds the whole attempt: handshake_timeout_ns).
+    At most ``max_queued`` attempts wait; one more fails at once, saying the overload is local."""
 
     def __init__(self, local_engine_id: str, *, secret: bytes | None = None, connect_timeout: float = 2.0,
-                 timeout: float = 5.0, max_workers: int = 4, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+                 timeout: float = 5.0, max_workers: int = 32, max_per_destination: int = 2,
+                 max_queued: int = 4096, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
         if not 1 <= len(local_engine_id) <= MAX_ID_CHARS:
             raise ValueError(f"local_engine_id must have 1..{MAX_ID_CHARS} characters")
         try:
@@ -673,12 +683,21 @@ class SideChannelHandshaker:
         except UnicodeEncodeError as exc:  # non-UTF-8 bytes from argv: no request could carry it
             raise ValueError(f"local_engine_id is not valid UTF-8 text: {exc}") from None
         _check_timeouts(connect_timeout=connect_timeout, timeout=timeout)
+        for name, value in (("max_workers", max_workers), ("max_per_destination", max_per_destination),
+                            ("max_queued", max_queued)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.local_engine_id = local_engine_id
         self.secret = _check_secret(secret)
         self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.max_workers, self.max_per_destination, self.max_queued = max_workers, max_per_destination, max_queued
         self.max_reply_bytes = max_reply_bytes
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdfsm-handshake")
-        self._futures: set[Future[None]] = set()
+        # Waiting attempts by destination, in turn order (a destination served goes last).
+        self._waiting: dict[Destination, deque[StartHandshake]] = {}
+        self._queued = 0  # attempts in _waiting
+        self._running: Counter[Destination] = Counter()
+        self._slow: dict[Destination, None] = {}  # last attempt timed out; oldest first, at most max_queued
+        self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -693,61 +712,139 @@ class SideChannelHandshaker:
         if submit is None:
             raise RuntimeError("bind() the handshaker before starting handshakes")
         with self._lock:
-            fut = None if self._closed else self._pool.submit(self._run, cmd, time.monotonic())
-            if fut is not None:
-                self._futures.add(fut)
-        if fut is None:
-            submit(self._failed(cmd, "side channel handshaker is closed"))
-        else:  # outside the lock: a future already done runs the callback here, and it takes the lock
-            fut.add_done_callback(self._forget)
+            refused = self._admit(cmd)
+            unstarted = self._spawn() if refused[0] is None else (None, "")
+        for failed, error in (refused, unstarted):
+            if failed is not None:
+                _log.warning("side channel handshake refused here", engine_id=failed.engine_id,
+                             pp_rank=failed.pp_rank, attempt=failed.attempt, error=error)
+                submit(self._failed(failed, error))
 
     def progress(self) -> None:
         """Nothing to do: worker threads submit their outcomes themselves."""
 
+    def stats(self) -> dict[str, int]:
+        """A consistent snapshot: attempts waiting and running, worker threads alive."""
+        with self._lock:
+            return {"waiting": self._queued, "running": sum(self._running.values()), "threads": len(self._threads)}
+
     def close(self, timeout: float = 1.0) -> None:
-        """Abandon attempts (queued ones never start, running ones stop their I/O at once)."""
+        """Abandon attempts (waiting ones never start, running ones stop their I/O at once)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            futures = list(self._futures)
+            self._waiting.clear()
+            self._queued = 0
+            threads = [t for t in self._threads if t is not threading.current_thread()]
         self._wake_w.send(b"x")  # never drained: every worker's poll sees it
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        # Cancelled futures never count as done for wait(): wait only for the running ones.
-        _, running = wait_futures([f for f in futures if not f.cancelled()], timeout=timeout)
-        if not running:  # otherwise left to the garbage collector: a straggler still polls them
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in threads):  # otherwise left to the garbage collector
             self._wake_r.close()
             self._wake_w.close()
 
-    def _forget(self, fut: Future[None]) -> None:
-        with self._lock:
-            self._futures.discard(fut)
+    # --- scheduling (under _lock) -------------------------------------------------------------------
+
+    def _admit(self, cmd: StartHandshake) -> tuple[StartHandshake | None, str]:
+        """Queue ``cmd``, or (cmd, why not): closed, or a full queue (a local overload)."""
+        if self._closed:
+            return cmd, "side channel handshaker is closed"
+        if self._queued >= self.max_queued:
+            return cmd, (f"side channel handshaker overloaded here: {self._queued} handshakes already wait "
+                         f"(max_queued); {cmd.host}:{cmd.port} was not tried")
+        self._waiting.setdefault((cmd.host, cmd.port), deque()).append(cmd)
+        self._queued += 1
+        return None, ""
+
+    def _spawn(self) -> tuple[StartHandshake | None, str]:
+        """Start a worker if one may run and an attempt can: every worker alive is busy (an idle
+        one exits), so an attempt that can run now should not wait for one of them."""
+        cmd = self._next() if len(self._threads) < self.max_workers else None
+        if cmd is None:
+            return None, ""
+        thread = threading.Thread(target=self._work, args=(cmd,), name="pdfsm-handshake", daemon=True)
+        self._threads.add(thread)  # started under the lock: close() never sees an unstarted thread
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had (a process limit): fail this attempt here
+            self._threads.discard(thread)
+            self._done(cmd, slow=None)
+            return cmd, f"side channel handshaker cannot start a thread: {exc}"
+        return None, ""
+
+    def _next(self) -> StartHandshake | None:
+        """Take the attempt to run next, or None. Of the destinations under their cap: one whose last
+        attempt did not time out before one whose did, then the one with the fewest attempts running
+        (one not held by a hung attempt before one that is), then the one whose turn came longest
+        ago. So while hung listeners hold every thread, a healthy destination gets the next one."""
+        ready = [] if self._closed else [d for d in self._waiting if self._running[d] < self.max_per_destination]
+        if not ready:
+            return None
+        dest = min(ready, key=lambda d: (d in self._slow, self._running[d]))  # the first of equals: turn order
+        waiting = self._waiting.pop(dest)
+        cmd = waiting.popleft()
+        if waiting:
+            self._waiting[dest] = waiting  # its next attempt waits for its turn again
+        self._queued -= 1
+        self._running[dest] += 1
+        return cmd
+
+    def _done(self, cmd: StartHandshake, *, slow: bool | None) -> None:
+        """``cmd`` stopped running; ``slow``: it timed out (None: it never ran)."""
+        dest = (cmd.host, cmd.port)
+        self._running[dest] -= 1
+        if self._running[dest] <= 0:
+            del self._running[dest]
+        if slow is not None:
+            self._slow.pop(dest, None)
+            if slow:
+                self._slow[dest] = None
+                if len(self._slow) > self.max_queued:  # bounded: forget the one marked longest ago
+                    del self._slow[next(iter(self._slow))]
+
+    # --- workers ------------------------------------------------------------------------------------
+
+    def _work(self, cmd: StartHandshake | None) -> None:
+        """Run attempts until none can run now: a thread lives only while there is work for it."""
+        while cmd is not None:
+            outcome, slow = self._attempt(cmd)
+            self._report(outcome)
+            with self._lock:
+                self._done(cmd, slow=slow)
+                cmd = self._next()
+                if cmd is None:
+                    self._threads.discard(threading.current_thread())
 
     def _failed(self, cmd: StartHandshake, error: str) -> HandshakeFailed:
         return HandshakeFailed(source=Source.HANDSHAKE, t_ns=self._clock(), engine_id=cmd.engine_id,
                                pp_rank=cmd.pp_rank, attempt=cmd.attempt, error=error)
 
-    def _run(self, cmd: StartHandshake, queued: float) -> None:
-        outcome: HandshakeDone | HandshakeFailed
-        left = self.timeout - (time.monotonic() - queued)  # time spent queued counts against the deadline
+    def _attempt(self, cmd: StartHandshake) -> tuple[HandshakeDone | HandshakeFailed, bool]:
+        """The outcome, and whether the listener left it unanswered until its timeout."""
+        # A full timeout from now, whatever the wait for a thread: that wait is other remotes'
+        # doing, not this one's, and the core bounds the whole attempt (handshake_timeout_ns).
         try:
-            if left <= 0:
-                raise SideChannelError("timeout", f"side channel {cmd.host}:{cmd.port}: deadline {self.timeout} s "
-                                                  "passed while queued behind other handshakes")
             reply = fetch_reply(cmd.host, cmd.port, engine_id=self.local_engine_id, pp_rank=cmd.pp_rank,
-                                secret=self.secret, connect_timeout=self.connect_timeout, timeout=left,
+                                secret=self.secret, connect_timeout=self.connect_timeout, timeout=self.timeout,
                                 max_reply_bytes=self.max_reply_bytes, stop=self._wake_r)
-            outcome = HandshakeDone(source=Source.HANDSHAKE, t_ns=self._clock(), engine_id=cmd.engine_id,
-                                    pp_rank=cmd.pp_rank, attempt=cmd.attempt, reply=reply)
         except SideChannelError as exc:
-            outcome = self._failed(cmd, str(exc))
+            return self._failed(cmd, str(exc)), exc.kind == "timeout"
         except Exception as exc:  # noqa: BLE001 - a bug must still end the attempt, or requests wait forever
             _log.exception("side channel handshake crashed", engine_id=cmd.engine_id, pp_rank=cmd.pp_rank)
-            outcome = self._failed(cmd, f"side channel internal error: {type(exc).__name__}: {exc}")
+            return self._failed(cmd, f"side channel internal error: {type(exc).__name__}: {exc}"), False
+        return HandshakeDone(source=Source.HANDSHAKE, t_ns=self._clock(), engine_id=cmd.engine_id,
+                             pp_rank=cmd.pp_rank, attempt=cmd.attempt, reply=reply), False
+
+    def _report(self, outcome: HandshakeDone | HandshakeFailed) -> None:
         if self._closed:
             return  # abandoned: the owner is shutting down
         if isinstance(outcome, HandshakeFailed):
-            _log.info("side channel handshake failed", engine_id=cmd.engine_id, pp_rank=cmd.pp_rank,
-                      attempt=cmd.attempt, error=outcome.error)
+            _log.info("side channel handshake failed", engine_id=outcome.engine_id, pp_rank=outcome.pp_rank,
+                      attempt=outcome.attempt, error=outcome.error)
         assert self._submit is not None
-        self._submit(outcome)
+        try:
+            self._submit(outcome)
+        except Exception:  # noqa: BLE001 - the worker must go on: its accounting and other attempts
+            _log.exception("side channel could not submit a handshake outcome", engine_id=outcome.engine_id)
