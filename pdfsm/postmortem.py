@@ -12,7 +12,9 @@ the first failing log's (docs/postmortem.md has the table):
   reported, the records before it replayed;
 - ``divergence`` (3): replay recomputed something other than a record says;
 - ``corrupt`` (4): damage with good data after it (the file and offset are named);
-- ``unsupported`` (5): a newer format or schema; ``no_log`` (6): nothing there.
+- ``unsupported`` (5): a newer format or schema; ``no_log`` (6): nothing there, or
+  nothing of a log (a file without the segment magic or one good frame anywhere: a
+  wrong file named, not a damaged log).
 
 Exit code 2 is a usage error (bad ``--at``, a request found in no log).
 ``--json`` output is described in docs/replay-json.md (``"schema": 1``).
@@ -25,9 +27,11 @@ import contextlib
 import enum
 import json
 import math
+import mmap
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +39,16 @@ from typing import Any, Final, Protocol
 
 from pdfsm.events import CoreConfig, Started
 from pdfsm.filelog import (
+    FRAME,
+    FRAME_MARKER,
     LOCK_NAME,
+    MAGIC,
+    CorruptLogError,
     Gap,
     LogError,
     LogReader,
     UnsupportedVersionError,
+    crc32c,
     read_header,
     segment_paths,
     segment_start,
@@ -48,6 +57,7 @@ from pdfsm.filelog import (
 from pdfsm.filesink import version as _version
 from pdfsm.log import EventLog, Record
 from pdfsm.replay import (
+    OUTCOMES,
     Divergence,
     Followed,
     Step,
@@ -55,6 +65,7 @@ from pdfsm.replay import (
     event_detail,
     follow,
     machine_key,
+    offsets,
     printable,
     render,
     replay,
@@ -361,6 +372,9 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         out.status, out.error, out.error_file, out.error_offset = "unsupported", str(e), e.path, e.offset
     except LogError as e:  # CorruptLogError, or an intact frame over the reader's cap: unreadable past here
         out.status, out.error, out.error_file, out.error_offset = "corrupt", str(e), e.path, e.offset
+        if isinstance(e, CorruptLogError) and not out.records and e.offset == 0 and not _log_bytes_in(files):
+            out.status, out.error_file, out.error_offset = "no_log", None, None
+            out.error = f"{path}: not a pdfsm log: no segment header and no frame anywhere in it"
     finally:
         bar.stop()
     out.gaps = list(reader.gaps)
@@ -381,6 +395,37 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
             rep = reader.repairs[-1]
             out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
     return out
+
+
+_CHECK_BUDGET: Final = 256 << 20  # frame bytes CRC-checked while deciding a file holds no log at all
+
+
+def _log_bytes_in(files: Sequence[Path]) -> bool:
+    """Whether any of the files holds bytes of a log: the segment magic, or a frame whose CRC holds.
+    A file with neither (a text file named by mistake) is no log (exit 6); a log damaged at its
+    start still has them, and is corrupt (exit 4). Past the budget of bytes checked (frame-shaped
+    noise claiming large payloads) the answer is yes: damage is never called "not a log" on a guess."""
+    budget = [_CHECK_BUDGET]
+    return any(_log_bytes_in_file(f, budget) for f in files)
+
+
+def _log_bytes_in_file(path: Path, budget: list[int]) -> bool:
+    if path.stat().st_size == 0:  # mmap refuses an empty file, and there is nothing in it
+        return False
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m.find(MAGIC) != -1:
+            return True
+        at = m.find(FRAME_MARKER)
+        while at != -1:
+            if len(m) - at >= FRAME.size:
+                _marker, crc, length, _count, prev_crc, *_ = FRAME.unpack_from(m, at)
+                if length <= len(m) - at - FRAME.size:
+                    budget[0] -= length
+                    # The frame's CRC covers bytes 8.. of its header and its payload, seeded with prev_crc.
+                    if budget[0] < 0 or crc32c(m[at + 8:at + FRAME.size + length], prev_crc) == crc:
+                        return True
+            at = m.find(FRAME_MARKER, at + 1)
+    return False
 
 
 def _later_segment(path: Path) -> Path | None:
@@ -558,10 +603,11 @@ def _raw_details(log: LoadedLog) -> Iterator[str]:
 def _machines_at(log: LoadedLog, summary: Summary) -> Iterator[str]:
     since = {(v.machine, v.key): v for v in visits(log.records, at=summary.last_seq)}
     t0 = summary.first_t_ns
-    yield f"  machines at seq {summary.last_seq} (+{(summary.last_t_ns - t0) / 1e6:.3f} ms):"
+    at = offsets(summary.last_t_ns - t0, pad=False)
+    yield f"  machines at seq {summary.last_seq} ({at(summary.last_t_ns - t0)}):"
     for (machine, key), state in summary.states.items():
         v = since.get((machine, key))
-        when = f"  since #{v.start_seq} (+{(v.start_t_ns - t0) / 1e6:.3f} ms, {v.entered_by})" if v else ""
+        when = f"  since #{v.start_seq} ({at(v.start_t_ns - t0)}, {v.entered_by})" if v else ""
         yield f"    {machine:9s} {_key(key):28s} {state:12s}{when}"
 
 
@@ -574,8 +620,10 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
         headline = headline.replace("replayed, no divergence", "no records to replay")
     title = f"{log.name}: {headline}"
     if summary is None or brief:
-        n = len(log.records)
-        yield f"{title}: {n} records" + (f" up to seq {log.records[-1].seq}" if n else "")
+        n, last = len(log.records), log.records[-1].seq if log.records else -1
+        if summary is not None:  # what --at left of the log, as the full summary's header says
+            n, last = summary.events, summary.last_seq
+        yield f"{title}: {n} records" + (f" up to seq {last}" if n else "")
         yield from _details(log)
         return
     lines = list(render(summary, title=title, timelines=timelines, limit=limit))
@@ -591,6 +639,7 @@ def _follow_text(f: Followed) -> Iterator[str]:
     if not f.entries:
         return
     t0 = f.entries[0][1].event.t_ns
+    at = offsets(max(rec.event.t_ns for _, rec in f.entries) - t0)
     width = max(len(log) for log, _ in f.entries)
     for log, rec in f.entries:
         applied = rec.outcome.name == "APPLIED"
@@ -603,7 +652,7 @@ def _follow_text(f: Followed) -> Iterator[str]:
         elif rec.reason and not applied:
             note = f"({printable(rec.reason)})"
         tail = " ".join(x for x in (event_detail(rec.event), note) if x)
-        yield (f"  +{(rec.event.t_ns - t0) / 1e6:8.3f} ms  {printable(log):{width}s} #{rec.seq:<6d} "
+        yield (f"  {at(rec.event.t_ns - t0)}  {printable(log):{width}s} #{rec.seq:<6d} "
                f"{printable(who):20s} "
                f"{type(rec.event).__name__:21s} {arrow:24s} {tail}").rstrip()
 
@@ -657,10 +706,12 @@ def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) 
                                             "tp_size": cfg.tp_size, "pp_rank": cfg.pp_rank, "pp_size": cfg.pp_size},
         "records": len(log.records),
         "at": at,
+        "at_note": _at_note(log, at),
         "last_seq": summary.last_seq,
         "first_t_ns": summary.first_t_ns,
         "last_t_ns": summary.last_t_ns,
         "states": {m: dict(sorted(c.items())) for m, c in sorted(summary.per_state.items())},
+        "outcomes": _outcomes_json(summary),
         "machines": machines,
         "violations": [record_json(v) for v in summary.violations],
         "violations_by_fault": {"local": summary.by_fault()["local"], "remote": summary.by_fault()["remote"]},
@@ -668,6 +719,17 @@ def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) 
         "timelines": [{"machine": m, "key": _key_json(k), "steps": [_step_json(s) for s in steps]}
                       for (m, k), steps in shown],
     }
+
+
+def _outcomes_json(summary: Summary) -> dict[str, Any]:
+    """Every outcome of every kind, 0 when none: the document has every field always."""
+    out: dict[str, Any] = {}
+    for machine, names in OUTCOMES.items():
+        got = summary.finished.get(machine, Counter())
+        out.update((name, got.get(name, 0)) for name in names)
+        if machine == "consumer":
+            out["failure_policy"] = summary.policy
+    return out
 
 
 def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequence[int | None],
@@ -678,7 +740,8 @@ def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequen
         request = {"query": followed.query, "producer_ids": followed.producer_ids,
                    "consumers": [{"log": log, "request_id": rid} for log, rid in followed.consumers],
                    "producers": [{"log": log, "request_id": rid} for log, rid in followed.producers],
-                   "entries": [record_json(rec, log) for log, rec in followed.entries]}
+                   "entries": [record_json(rec, log) for log, rec in followed.entries],
+                   "warnings": _mixed_runs(logs, followed)}
     return {"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": exit_code,
             "logs": [_log_json(log, s, at, timelines) for log, s, at in zip(logs, summaries, ats, strict=True)],
             "request": request, "error": None}
@@ -736,8 +799,11 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] | None
     code = int(failing[0].exit_code) if failing else 0
     summaries = [summarize(log.records, at=at) for log, at in zip(logs, ats, strict=True)]
     followed = follow([(log.name, log.records) for log in logs], request) if request is not None else None
-    if followed is not None and not followed.entries and not code:
+    found = followed is not None and bool(followed.entries)
+    if followed is not None and not found and not code:
         code = Exit.USAGE
+    if followed is not None:  # --at cuts the request's timeline as it cuts each log's summary
+        _cut(followed, {log.name: at for log, at in zip(logs, ats, strict=True)})
     if as_json:
         doc = to_json(logs, summaries, ats, followed, timelines=timelines, exit_code=code)
         out(json.dumps(doc, indent=2))
@@ -746,21 +812,82 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] | None
         for line in _log_text(log, None if log.status == "no_log" else summary, timelines=timelines, limit=limit,
                               brief=followed is not None):
             out(line)
-        if at is not None and log.records:
-            if at < log.records[0].seq:
-                out(f"  (--at {at}: the log starts at seq {log.records[0].seq}; the machines' states before "
-                    "it are not in it)")
-                continue
-            if at > log.records[-1].seq:
-                out(f"  (--at {at}: the log ends at seq {log.records[-1].seq})")
-            for line in _machines_at(log, summary):
-                out(line)
-    if followed is not None:
-        for line in _follow_text(followed):
+        for line in _at_text(log, summary, at):
             out(line)
-        if not followed.entries:
-            out(f"  request {request!r} is in none of the logs (as a decode-local id or a producer id)")
+    if followed is not None:
+        for line in _request_text(logs, followed, found=found):
+            out(line)
     return code
+
+
+def _cut(followed: Followed, ats: dict[str, int | None]) -> None:
+    """Leave out the followed records past their log's ``--at`` seq. The request is resolved on
+    the whole logs first: which requests an id names does not depend on where they are shown."""
+    followed.entries = [(name, rec) for name, rec in followed.entries
+                        if (at := ats.get(name)) is None or rec.seq <= at]
+
+
+def _at_note(log: LoadedLog, at: int | None) -> str | None:
+    """Why the log is not shown at ``at`` itself: the seq is outside the records read (one line;
+    the exit code does not change: the log is shown at its nearest end)."""
+    if at is None or not log.records:
+        return None
+    first, last = log.records[0].seq, log.records[-1].seq
+    if at < first:
+        return f"--at {at}: the log starts at seq {first}; the machines' states before it are not in it"
+    return f"--at {at}: the log ends at seq {last}" if at > last else None
+
+
+def _at_text(log: LoadedLog, summary: Summary, at: int | None) -> Iterator[str]:
+    note = _at_note(log, at)
+    if note is not None:
+        yield f"  ({note})"
+    if at is not None and log.records and at >= log.records[0].seq:
+        yield from _machines_at(log, summary)
+
+
+def _request_text(logs: Sequence[LoadedLog], followed: Followed, *, found: bool) -> Iterator[str]:
+    lines = _follow_text(followed)
+    yield next(lines)
+    yield from (f"  warning: {w}" for w in _mixed_runs(logs, followed))
+    yield from lines
+    if not found:
+        yield f"  request {followed.query!r} is in none of the logs (as a decode-local id or a producer id)"
+    elif not followed.entries:
+        yield "  (none of its records is at or before --at)"
+
+
+def _worker(log: LoadedLog) -> tuple[str, int, int] | None:
+    cfg = log.config
+    return None if cfg is None else (cfg.engine_id, cfg.pp_rank, cfg.tp_rank)
+
+
+def _mixed_runs(logs: Sequence[LoadedLog], followed: Followed) -> list[str]:
+    """A warning (one line) when the followed request's records come from several logs of one
+    worker (same engine id and ranks): logs of two runs, or of a restart under the same engine
+    id, or copies, named together. Their records merge into one timeline as if of one request,
+    and the clocks of two runs need not be comparable."""
+    named = {name for name, _ in followed.entries}
+    same: dict[tuple[str, int, int], list[LoadedLog]] = {}
+    for log in logs:
+        worker = _worker(log)
+        if log.name in named and worker is not None:
+            same.setdefault(worker, []).append(log)
+    clashes = [f"{', '.join(log.name for log in group)} (engine {engine} pp_rank {pp} tp_rank {tp}; {_headers(group)})"
+               for (engine, pp, tp), group in same.items() if len(group) > 1]
+    if not clashes:
+        return []
+    return [printable("logs of one worker from different runs (or restarts, or copies) are merged into this "
+                      f"timeline: {'; '.join(clashes)}; name one run's logs to follow the request in it")]
+
+
+def _headers(group: Sequence[LoadedLog]) -> str:
+    """How the logs' segment headers tell them apart: the writer's pid, else its creation time."""
+    pids = [log.meta.get("pid") for log in group]
+    if len(set(pids)) > 1:
+        return "pids " + ", ".join(str(pid) for pid in pids)
+    created = {log.meta.get("created_ns") for log in group}
+    return "created at different times" if len(created) > 1 else "identical headers: copies of one log?"
 
 
 def write_output(path: str, text: str, command: str) -> bool:

@@ -7,8 +7,9 @@ is a :class:`Divergence` naming that record. Replay is deterministic: the core
 reads no clock and no randomness, so the same log always replays the same way.
 
 :func:`summarize` reads the records alone (no re-application): each machine's
-state at any sequence number, violations with their attribution, requests that
-never reached a terminal state, and per-request timelines. :func:`visits` cuts a
+state at any sequence number, how the finished requests ended (:func:`finished_as`),
+violations with their attribution, requests that never reached a terminal state, and
+per-request timelines. :func:`visits` cuts a
 log into state visits (what the trace and the HTML report draw), and :func:`follow`
 joins one request's records across a prefill log and a decode log.
 """
@@ -18,17 +19,18 @@ from __future__ import annotations
 import contextlib
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdfsm import consumer, engine, producer
 from pdfsm.core import Core
 from pdfsm.errors import PdfsmError, ProtocolError
-from pdfsm.events import ReadRequested, SendFailed, Started
+from pdfsm.events import ReadRequested, Reported, SendFailed, Started
 from pdfsm.log import EventLog, Outcome, Record, Row
 
 __all__ = [
+    "OUTCOMES",
     "TERMINAL",
     "Divergence",
     "Followed",
@@ -36,12 +38,17 @@ __all__ = [
     "Step",
     "Summary",
     "Visit",
+    "duration",
     "event_detail",
+    "finished_as",
     "follow",
     "machine_key",
+    "offsets",
+    "outcome_lines",
     "render",
     "replay",
     "summarize",
+    "time_unit",
     "visits",
 ]
 
@@ -56,6 +63,29 @@ def _kept_none(rec: Record) -> bool:
     (a first event it refused, or late news for a request whose tombstone aged out), so it
     changes no state; the machine's last life, if any, ended where its records say."""
     return rec.outcome is not Outcome.APPLIED and rec.state == _INITIAL.get(rec.machine)
+
+
+# How a request's life ended, named by the record that made it terminal. Commands are not logged,
+# so the consumer's HandOff outcome is read off the Reported record's ``before`` state (the hand-off
+# is decided by it: consumer._hand_off); a consumer released by any other event had nothing to read
+# (notify-only) and was never handed back. A producer's terminal state says it all.
+_HANDED_BACK: dict[str, str] = {"NOTIFIED": "received", "FAILED": "failed", "ABORTED": "aborted"}
+_PRODUCER_END: dict[str, str] = {"RELEASED": "released", "EXPIRED": "expired", "DISCARDED": "discarded"}
+OUTCOMES: dict[str, tuple[str, ...]] = {
+    "consumer": ("received", "failed", "aborted", "notify_only"),
+    "producer": ("released", "expired", "discarded"),
+}
+"""The outcomes :func:`finished_as` names, per machine kind."""
+
+
+def finished_as(rec: Record) -> str | None:
+    """The outcome a record ended its request's life with (a key of :data:`OUTCOMES`), or None
+    when it ended none: not applied, an engine's, or not the move into a terminal state."""
+    if rec.outcome is not Outcome.APPLIED or rec.before == rec.state or rec.state not in TERMINAL.get(rec.machine, ()):
+        return None
+    if rec.machine == "consumer":
+        return _HANDED_BACK.get(rec.before, "notify_only") if isinstance(rec.event, Reported) else "notify_only"
+    return _PRODUCER_END.get(rec.state) if rec.machine == "producer" else None
 
 
 class Divergence(PdfsmError):
@@ -226,6 +256,8 @@ class Summary:
     violations: list[Record] = field(default_factory=list)
     timelines: dict[tuple[str, Any], list[Step]] = field(default_factory=dict)
     events: int = 0
+    finished: dict[str, Counter[str]] = field(default_factory=dict)  # machine -> finished_as -> lives
+    policy: str | None = None  # the failure policy of the Started config (None: that record is not here)
 
     @property
     def per_state(self) -> dict[str, Counter[str]]:
@@ -258,10 +290,15 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
         if rec.fault is not None:
             out.violations.append(rec)
         if rec.machine == "core":
+            if isinstance(rec.event, Started):
+                out.policy = rec.event.config.policy
             continue
         key = (rec.machine, machine_key(rec))
         if not _kept_none(rec):
             out.states[key] = rec.state
+        ended = finished_as(rec)
+        if ended is not None:
+            out.finished.setdefault(rec.machine, Counter())[ended] += 1
         if timelines:
             out.timelines.setdefault(key, []).append(Step(
                 rec.seq, t, rec.event.source, type(rec.event).__name__, rec.before, rec.state,
@@ -270,15 +307,68 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
     return out
 
 
+def duration(ns: int) -> str:
+    """A span in words, in a unit that shows it: logs of simulations and of the race tester span
+    micro- or nanoseconds, which "0.0 ms" would hide."""
+    if abs(ns) >= 1_000_000:
+        return f"{ns / 1e6:.1f} ms"
+    return f"{ns / 1e3:.1f} us" if abs(ns) >= 1_000 else f"{ns} ns"
+
+
+def time_unit(span_ns: int) -> tuple[str, int, int]:
+    """(unit, ns per unit, decimals) for times from 0 to ``span_ns``: ms (to the us) from 1 ms, as
+    long logs always printed; us (to the ns) under it; ns under 1 us. Logs of simulations and of
+    the race tester have events a few us or ns apart, which would otherwise all print as 0.000 ms."""
+    if abs(span_ns) >= 1_000_000:
+        return "ms", 1_000_000, 3
+    return ("us", 1_000, 3) if abs(span_ns) >= 1_000 else ("ns", 1, 0)
+
+
+def offsets(span_ns: int, *, pad: bool = True) -> Callable[[int], str]:
+    """A formatter of offsets from 0 to ``span_ns`` (``+   3.002 ms``), all in one unit
+    (:func:`time_unit`) and, with ``pad``, one width, so a column of them lines up."""
+    unit, per, places = time_unit(span_ns)
+
+    def offset(t: int) -> str:
+        value = f"{t / per:.{places}f}"
+        return f"+{value:>8s} {unit}" if pad else f"+{value} {unit}"
+
+    return offset
+
+
+def outcome_lines(summary: Summary) -> Iterator[str]:
+    """One line per kind of request machine in the log: how its finished requests ended. A failed
+    consumer request is handed back with its blocks invalid, and the config's policy says what the
+    scheduler does about it (recompute or fail it), so the policy is named."""
+    kinds = set(summary.per_state) | set(summary.finished)
+    for machine in OUTCOMES:
+        if machine in kinds:
+            yield f"{machine}: " + ", ".join(_outcome_parts(machine, summary.finished.get(machine, Counter()),
+                                                            summary.policy))
+
+
+def _outcome_parts(machine: str, got: Counter[str], policy: str | None) -> list[str]:
+    """The usual outcomes always (a 0 says something), the rare ones only when they happened."""
+    if machine == "consumer":
+        parts = [f"received {got['received']}",
+                 f"failed {got['failed']} (policy {policy or 'unknown: no Started record'})",
+                 f"aborted {got['aborted']}"]
+        return parts + ([f"notify-only {got['notify_only']}"] if got["notify_only"] else [])
+    parts = [f"released by notification {got['released']}", f"expired {got['expired']}"]
+    return parts + ([f"discarded {got['discarded']}"] if got["discarded"] else [])
+
+
 def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int = 20) -> Iterator[str]:
-    """A readable report: machines per state, violations, stuck requests, a few timelines.
+    """A readable report: machines per state, how finished requests ended, violations, stuck
+    requests, a few timelines.
 
     At most ``limit`` violations and stuck requests are listed (the counts are always whole).
     """
-    span = (summary.last_t_ns - summary.first_t_ns) / 1e6
-    yield f"{title or 'log'}: {summary.events} records up to seq {summary.last_seq}, {span:.1f} ms"
+    span = duration(summary.last_t_ns - summary.first_t_ns)
+    yield f"{title or 'log'}: {summary.events} records up to seq {summary.last_seq}, {span}"
     for machine, counts in sorted(summary.per_state.items()):
         yield f"  {machine:9s} " + ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
+    yield from (f"  finished  {line}" for line in outcome_lines(summary))
     faults = summary.by_fault()
     yield f"  violations: {len(summary.violations)} (local {faults['local']}, remote {faults['remote']})"
     for v in summary.violations[:limit]:
@@ -297,10 +387,11 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int 
             continue
         shown += 1
         t0 = steps[0].t_ns
+        at = offsets(max(st.t_ns for st in steps) - t0)
         yield f"  {machine} {key!r}:"
         for st in steps:
             arrow = f"{st.before} -> {st.state}" if st.outcome == "applied" else f"{st.state} ({st.outcome})"
-            yield f"    +{(st.t_ns - t0) / 1e6:8.3f} ms  #{st.seq:<6d} {st.event:22s} {arrow:24s} {st.detail}".rstrip()
+            yield f"    {at(st.t_ns - t0)}  #{st.seq:<6d} {st.event:22s} {arrow:24s} {st.detail}".rstrip()
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The page fetches nothing: CSS is inline, every picture is inline SVG drawn here,
 and there is no script. It has, in order:
 
 - a summary per log (status as ``pdfsm replay`` decides it, records, machines per
-  state, violations by fault, requests not terminal);
+  state, how the finished requests ended, violations by fault, requests not terminal);
 - a timeline (``<svg id="timeline">``, on a background of :data:`TIMELINE_BG`):
   one row per machine, a coloured bar per state visit over time, a diamond per
   violation (red: local fault, orange: remote); rows with violations or stuck
@@ -31,7 +31,18 @@ from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
 from pdfsm.postmortem import Exit, LoadedLog, load_all, say, warn_unreadable, write_output
-from pdfsm.replay import Visit, event_detail, machine_key, printable, summarize, visits
+from pdfsm.replay import (
+    Visit,
+    duration,
+    event_detail,
+    machine_key,
+    offsets,
+    outcome_lines,
+    printable,
+    summarize,
+    time_unit,
+    visits,
+)
 
 __all__ = ["STATE_COLOURS", "TIMELINE_BG", "diagram_svg", "render_report", "report_command", "timeline_svg"]
 
@@ -74,16 +85,17 @@ def _key(key: Any) -> str:
 
 def _summary(logs: Sequence[LoadedLog]) -> Iterator[str]:
     yield "<table><tr><th>log</th><th>status</th><th>records</th><th>span</th><th>machines per state</th>"
-    yield "<th>violations (local / remote)</th><th>not terminal</th></tr>"
+    yield "<th>finished requests</th><th>violations (local / remote)</th><th>not terminal</th></tr>"
     for log in logs:
         s = summarize(log.records, timelines=False)
         cls = "ok" if log.status == "ok" else "warn" if log.status == "torn_tail" else "bad"
         states = "<br>".join(f"{_e(m)}: " + ", ".join(f"{_e(st)} {n}" for st, n in sorted(c.items()))
                              for m, c in sorted(s.per_state.items()))
         faults = s.by_fault()
+        finished = "<br>".join(_e(line) for line in outcome_lines(s))
         yield (f"<tr><td>{_e(log.name)}<br><small>{_e(log.path)}</small></td><td class=\"{cls}\">"
                f"{_e(log.status)}</td><td class=\"num\">{len(log.records)}</td>"
-               f"<td class=\"num\">{(s.last_t_ns - s.first_t_ns) / 1e6:.3f} ms</td><td>{states}</td>"
+               f"<td class=\"num\">{duration(s.last_t_ns - s.first_t_ns)}</td><td>{states}</td><td>{finished}</td>"
                f"<td class=\"num\">{len(s.violations)} ({faults['local']} / {faults['remote']})</td>"
                f"<td class=\"num\">{len(s.stuck)}</td></tr>")
     yield "</table>"
@@ -155,6 +167,7 @@ def timeline_svg(logs: Sequence[LoadedLog], *, rows: int = 200) -> str:
     def x(t: int, t0: int = 0) -> float:
         return label_w + (t - t0) * plot_w / span
 
+    tick = offsets(span, pad=False)
     out = [f'<svg id="timeline" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
            'role="img" aria-label="timeline">',
            f'<rect x="0" y="0" width="{width}" height="{height}" fill="{TIMELINE_BG}"/>']
@@ -162,7 +175,7 @@ def timeline_svg(logs: Sequence[LoadedLog], *, rows: int = 200) -> str:
         t = span * i // 5
         out.append(f'<line x1="{x(t):.1f}" y1="{top - 6}" x2="{x(t):.1f}" y2="{height}" stroke="#c5d3e6"/>')
         out.append(f'<text x="{x(t):.1f}" y="{top - 10}" font-size="11" text-anchor="middle">'
-                   f'+{t / 1e6:.3f} ms</text>')
+                   f'{tick(t)}</text>')
     for i, row in enumerate(chosen):
         y = top + i * row_h
         label = f"{row.log} {row.machine} {_key(row.key)}"
@@ -208,12 +221,13 @@ def _violations(logs: Sequence[LoadedLog]) -> Iterator[str]:
     stuck = [(log.name, m, k, s) for log in logs for m, k, s in summarize(log.records, timelines=False).stuck]
     yield f"<h2>Violations ({len(rows)})</h2>"
     if rows:
-        yield ("<table><tr><th>log</th><th>seq</th><th>t (ms)</th><th>machine</th><th>key</th><th>event</th>"
+        unit, per, places = time_unit(max(abs(r.event.t_ns) for _, r in rows))  # small clocks: us or ns
+        yield (f"<table><tr><th>log</th><th>seq</th><th>t ({unit})</th><th>machine</th><th>key</th><th>event</th>"
                "<th>outcome</th><th>fault</th><th>reason</th></tr>")
         for name, r in rows:
             fault = r.fault.value if r.fault is not None else ""
             yield (f"<tr><td>{_e(name)}</td><td class=\"num\">{r.seq}</td><td class=\"num\">"
-                   f"{r.event.t_ns / 1e6:.3f}</td><td>{_e(r.machine)}</td><td>{_e(_key(machine_key(r)))}</td>"
+                   f"{r.event.t_ns / per:.{places}f}</td><td>{_e(r.machine)}</td><td>{_e(_key(machine_key(r)))}</td>"
                    f"<td>{_e(type(r.event).__name__)} {_e(event_detail(r.event))}</td>"
                    f"<td>{_e(r.outcome.name.lower())}</td><td style=\"color:{_FAULT_COLOURS.get(fault, '#000')}\">"
                    f"{_e(fault)}</td><td>{_e(r.reason)}</td></tr>")
