@@ -43,8 +43,8 @@ from pdfsm.commands import (
     SendNotification,
     StartHandshake,
 )
+from pdfsm.consumer import STOPPING, disagreement
 from pdfsm.consumer import S as ConsumerStates
-from pdfsm.consumer import disagreement
 from pdfsm.core import Core
 from pdfsm.errors import ConnectorClosed, InvalidInput, OwnerError
 from pdfsm.events import (
@@ -152,6 +152,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInput("remote_block_ids", "names no block: with no remote blocks there is nothing to "
                                                    "read and no hold to release (vLLM PR 18590: no notification "
                                                    "for such a request)")
+        _check_id("remote_host", parsed.remote_host)  # "" names no listener: every handshake would fail
         if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
             raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
                                                         f"with PP {parsed.remote_pp_size}")
@@ -338,11 +339,15 @@ def _one_caller(method: Callable[Concatenate[Connector, _P], _R]) -> Callable[Co
 
     @functools.wraps(method)
     def call(conn: Connector, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        me = threading.get_ident()
+        if conn._bound_to not in (None, me):  # before anything runs: the transport would refuse it part-way
+            raise OwnerError(f"Connector called from thread {me}: its {conn.transport.capabilities.name} "
+                             f"transport takes calls only from thread {conn._bound_to}, which built it")
         if not conn._calls.acquire(blocking=False):  # reentrant: a method may call another
-            raise OwnerError(f"Connector called from thread {threading.get_ident()} while another thread is "
+            raise OwnerError(f"Connector called from thread {me} while another thread is "
                              "inside a call: one thread at a time (docs/embedding.md)")
         try:
-            conn.core.log.owner = threading.get_ident()
+            conn.core.log.owner = me
             return method(conn, *args, **kwargs)
         finally:
             conn._calls.release()
@@ -374,10 +379,12 @@ class Connector:
         self._clock, self._wall_clock = clock, wall_clock
         self._incarnation = transport.rank_info().incarnation  # what the params this side mints carry
         self._calls = threading.RLock()  # held by the thread inside a public method (_one_caller)
+        self._bound_to = threading.get_ident() if transport.capabilities.thread_bound else None
         self.core = Core(config, log, t_ns=clock())
         transport.bind(self.core.submit, clock)
         handshaker.bind(self.core.submit, clock)
         self._step = 0
+        self._recancel: set[tuple[str, int, int]] = set()  # cancels the transport raised on, retried each round
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         # Params already loaded, their minting -> local id, the newest tombstones-many:
@@ -436,6 +443,9 @@ class Connector:
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
             raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
                                             "and has no params to give")
+        if not self.host:
+            raise InvalidInput("host", "this Connector was built with host='' (consumer-only): params it "
+                                       "minted would name no listener to handshake with")
         if lease_ns is not None:
             _check_int("lease_ns", lease_ns, low=1)
         self._check_fresh(rid, PRODUCER)
@@ -682,8 +692,13 @@ class Connector:
             for queued in self._queued.values():  # applied: live or remembered from now on
                 queued.clear()
             self._execute(core.take_commands())
-            self.transport.progress()
-            self.handshaker.progress()
+            if self._recancel:
+                self._retry_cancels()
+            for part in (self.transport, self.handshaker):
+                try:
+                    part.progress()
+                except Exception:  # noqa: BLE001 - as in _execute: logged; what it owed is polled next round
+                    _log.exception("progress failed", part=type(part).__name__)
             due = core.next_deadline()
             if due is not None:
                 now = self._clock()
@@ -781,7 +796,7 @@ class Connector:
                 elif isinstance(cmd, SendNotification):
                     self._send(cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
                 elif isinstance(cmd, CancelRead):
-                    self.transport.cancel_read(cmd.request_id, cmd.pp_rank, cmd.tp_rank)
+                    self._cancel((cmd.request_id, cmd.pp_rank, cmd.tp_rank))
                 elif isinstance(cmd, StartHandshake):
                     try:
                         self.handshaker.start(cmd)
@@ -803,6 +818,29 @@ class Connector:
                     self.transport.drop_peer((cmd.engine_id, cmd.pp_rank))
             except Exception:  # noqa: BLE001 - a transport bug must not take the engine down; it is logged
                 _log.exception("command failed", command=type(cmd).__name__)
+
+    def _cancel(self, handle: tuple[str, int, int]) -> None:
+        """A cancel that raises is retried every round while its read is still in flight: one lost
+        cancel would otherwise leave a hung read, and its request, stopping for ever."""
+        try:
+            self.transport.cancel_read(*handle)
+        except Exception:  # noqa: BLE001 - logged, kept for the next round
+            _log.exception("cancel failed", request_id=handle[0], pp_rank=handle[1], tp_rank=handle[2])
+            self._recancel.add(handle)
+        else:
+            self._recancel.discard(handle)
+
+    def _retry_cancels(self) -> None:
+        for handle in list(self._recancel):
+            m = self.core.consumers.get(handle[0])
+            plan = None if m is None else m.plan
+            live = plan is not None and m is not None and m.state in STOPPING and any(
+                (m.pending >> i) & 1 and (src.pp_rank, src.tp_rank) == handle[1:]
+                for i, src in enumerate(plan.sources))
+            if live:
+                self._cancel(handle)
+            else:
+                self._recancel.discard(handle)
 
     def _send(self, engine_id: str, pp_rank: int, tp_rank: int, note: Notification) -> None:
         try:

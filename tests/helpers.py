@@ -138,13 +138,14 @@ class SimPair:
     """One producer and one consumer Connector over a simulated network, on a shared clock; the
     producer can be restarted (a new agent, the same engine id, host and port)."""
 
-    def __init__(self, *, d_config: dict[str, Any] | None = None, p_lease_ns: int = 120_000_000_000) -> None:
+    def __init__(self, *, d_config: dict[str, Any] | None = None, p_lease_ns: int = 120_000_000_000,
+                 d_transport: type[SimTransport] = SimTransport) -> None:
         self.net, self.now = SimNetwork(), 0
         self.p_lease_ns = p_lease_ns
         self.prod = SimTransport(self.net, "P-0")
         self.prod.fill(range(64))
         self.p = self._producer(self.prod)
-        self.cons = SimTransport(self.net, "D-0")
+        self.cons = d_transport(self.net, "D-0")
         self.invalid: dict[str, set[int]] = {}  # per consumer request, as reported in the same step
         self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
                            SimHandshaker(self.net), clock=self.clock)

@@ -840,6 +840,9 @@ def test_calls_from_another_thread_are_refused(pair: Pair) -> None:
     assert len(errors) == 3 and all("not thread-safe" in str(e) for e in errors)
     assert infos and infos[0].agent == pair.d.agent_name
     assert pair.d.peers  # nothing happened
+    # It says so, and a Connector refuses other threads before any call reaches it
+    # (tests/test_connector_adapter_faults.py).
+    assert pair.d.capabilities.thread_bound
 
 
 def test_close_reports_reads_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -850,6 +853,7 @@ def test_close_reports_reads_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     (ev,) = pr.outcomes()
     assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
     pr.d.progress()  # a no-op once closed
+    pr.d.drop_peer(("P", 0))  # too: an eviction owed until Connector.shutdown's last step lands here
     with pytest.raises(TransportError, match="closed"):
         pr.read("s")
     pr.d.close()

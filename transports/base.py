@@ -54,6 +54,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     # Blocks in this worker's KV cache (every region has as many; 0: not said). The Connector
     # refuses block ids at or past it up front, instead of a read failing on them later.
     num_blocks: int = 0
+    # Every call must come from the thread that bound it (NIXL's agent is not thread-safe): the
+    # Connector refuses any other thread up front, before a call could reach the transport.
+    thread_bound: bool = False
 
 
 def new_incarnation() -> str:

@@ -327,7 +327,8 @@ class NixlTransport:
         self.layer_map = LayerMap(layers, len(self.regions))
         self.layers = self.layer_map.layers
         kinds: frozenset[str] = frozenset({"DRAM", self.kind})
-        self.capabilities = Capabilities(name="nixl", supports_pp=supports_pp, memory_kinds=kinds,
+        self.capabilities = Capabilities(name="nixl", thread_bound=True, supports_pp=supports_pp,
+                                         memory_kinds=kinds,
                                          num_blocks=self.regions[0].num_blocks if self.regions else 0)
         with _net_devices(ucx_devices):
             self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
@@ -468,7 +469,10 @@ class NixlTransport:
         refuse_pp(self.capabilities, self.agent_name, pp_rank)
 
     def drop_peer(self, key: EngineKey) -> None:
-        """Forget ``key`` now; remove its agents once none of our reads to them is alive."""
+        """Forget ``key`` now; remove its agents once none of our reads to them is alive. A no-op once
+        closed: close() dropped every peer (an eviction owed until shutdown's last step lands here)."""
+        if self._closed:
+            return
         self._check()
         ranks = self.peers.pop(key, None)
         self._disconnected.discard(key)  # a later loss is of no peer (_peer_lost): nothing to report
