@@ -276,7 +276,7 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     for name in ("read_timeout_ns", "lease_ns"):
         _check_int(name, getattr(cfg, name), low=1)
     for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "handshake_timeout_ns", "tombstones",
-                 "tombstone_ns", "idle_engine_ns", "hold_skew_ns"):
+                 "tombstone_ns", "idle_engine_ns", "hold_skew_ns", "cancel_grace_ns"):
         _check_int(name, getattr(cfg, name), low=0)
     for name in ("mla", "supports_pp", "strict"):
         if type(getattr(cfg, name)) is not bool:

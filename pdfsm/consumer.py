@@ -41,6 +41,7 @@ from pdfsm.events import (
     EvictRequested,
     HandleDone,
     HandleFailed,
+    PeerDisconnected,
     Quarantined,
     RankInfo,
     ReadRequested,
@@ -752,7 +753,7 @@ def _failed_cancel_rest(m: ConsumerRequest, ev: HandleFailed, core: Core) -> Non
     """One read failed: the request is failed whatever its siblings do, so stop them now rather
     than wait for them (a hung read has no timeout of its own)."""
     _stopped(m, ev)
-    _cancel_reads(m, core)
+    _cancel_reads(m, core, ev.t_ns)
 
 
 def _late_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
@@ -765,7 +766,7 @@ def _late_stopped(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
 
 def _late(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     _late_stopped(m, ev, core)
-    _cancel_reads(m, core)
+    _cancel_reads(m, core, ev.t_ns)
 
 
 def _late_last(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
@@ -822,27 +823,68 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     core.ready(m)
 
 
-def _cancel_reads(m: ConsumerRequest, core: Core) -> None:
+def _cancel_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
+    """Cancel the reads in flight, and watch them stop: the request's timer now fires
+    ``cancel_grace_ns`` on (its read deadline no longer matters: it is stopping)."""
     assert m.plan is not None
     for i, src in enumerate(m.plan.sources):
         if (m.pending >> i) & 1:
             core.emit(CancelRead(request_id=m.request_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank))
+    _disarm_deadline(m, core)
+    grace = core.config.cancel_grace_ns
+    if grace:
+        m.deadline = t_ns + grace
+        core.deadlines.arm(m.request_id, m.deadline)
+
+
+def _hung_reads_connected(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> bool:
+    """Reads still in flight a grace after their cancel, over the connections they were posted on
+    (no engine of the plan handshaken again since), one of them still taken as live."""
+    if m.plan is None or m.req is None or m.attempts != _attempts(m, core):
+        return False
+    return any(core.engine_connected((m.req.engine_id, pp)) for pp in _hung_stages(m))
+
+
+def _hung_stages(m: ConsumerRequest) -> list[int]:
+    assert m.plan is not None
+    return sorted({src.pp_rank for i, src in enumerate(m.plan.sources) if (m.pending >> i) & 1})
+
+
+def _hung(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
+    """The peer no longer answers: a cancelled read did not stop within the grace (SGLang PR
+    10222: a dead prefill's rooms must fail; TRT-LLM PR 12313: blocks leaked until the pool ran
+    out). Its connection is taken as lost: the next request handshakes again, and while the peer
+    stays silent (its side channel unanswered, or its transport still draining the hung reads)
+    fails fast with its policy instead of pinning its blocks behind the hung reads. This request
+    still waits for its own reads to stop before it is reported."""
+    m.deadline = None
+    assert m.req is not None
+    eid, grace = m.req.engine_id, core.config.cancel_grace_ns
+    for pp in _hung_stages(m):
+        e = core.engines[(eid, pp)]
+        if e.state is CONNECTED:
+            core.derive(PeerDisconnected(source=Source.CORE, t_ns=ev.t_ns, engine_id=eid, pp_rank=pp,
+                                         attempt=e.attempt, detail=f"a cancelled read of {m.request_id!r} still "
+                                         f"ran {grace / 1e9:g} s later (cancel_grace_ns): no answer"))
+
+
+def _hang_watched(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
+    m.deadline = None
 
 
 def _abort_reads(m: ConsumerRequest, ev: AbortRequested, core: Core) -> None:
-    _cancel_reads(m, core)
+    _cancel_reads(m, core, ev.t_ns)
 
 
 def _expire_reads(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     _fail(m, "deadline passed before every read completed", True)
     m.deadline = None
-    _cancel_reads(m, core)
+    _cancel_reads(m, core, ev.t_ns)
 
 
 def _quarantine_reads(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
     _fail(m, f"quarantined: {ev.reason}", False)
-    _disarm_deadline(m, core)
-    _cancel_reads(m, core)
+    _cancel_reads(m, core, ev.t_ns)
 
 
 def _quarantine_done(m: ConsumerRequest, ev: Quarantined, core: Core) -> None:
@@ -1007,7 +1049,11 @@ TABLE: Final[Table] = Table(
         on(S.ABORTING, HandleFailed, _not_in_flight_illegal, *_join(S.ABORTING, S.ABORTED)),
         on(S.FAILING, AbortRequested, Go(S.ABORTING)),
         on(S.ABORTING, AbortRequested, Ignore("already aborting")),
-        on(STOPPING, DeadlinePassed, Ignore("already stopping: waiting for in-flight reads")),
+        *(on(st, DeadlinePassed, Go(st, _hung, when=_hung_reads_connected, reason="cancelled reads outlived "
+                                    "cancel_grace_ns: their connection is taken as lost"),
+             Go(st, _hang_watched, reason="cancelled reads outlived cancel_grace_ns, over connections "
+                                         "already lost or replaced"))
+          for st in STOPPING),
         on(STOPPING, Quarantined, Ignore("already stopping: waiting for in-flight reads")),
         # Every read has stopped: waiting for the scheduler to collect the request.
         on((*AFTER_READS, S.RELEASED), (HandleDone, HandleFailed),

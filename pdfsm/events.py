@@ -138,6 +138,11 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # it replaced (docs/decisions.md). 0: not checked.
     hold_skew_ns: int = 5_000_000_000
     strict: bool = False
+    # A read still running this long after its cancel says its peer no longer answers (a stopped
+    # process, a node gone without a reset): its connection is taken as lost, so later requests
+    # handshake again, and fail fast while the peer stays silent, instead of each pinning its
+    # blocks behind the hung reads. 0: never (a cancel is waited for however long it takes).
+    cancel_grace_ns: int = 1_000_000_000
 
 
 class Event(msgspec.Struct, frozen=True, gc=False, tag=True, array_like=True):
