@@ -643,9 +643,13 @@ class Connector:
         if live is not None and target == PRODUCER and live.state is ProducerStates.STAGED:
             live = None
         was = core.remembered(target, rid)
-        if live is not None or was is not None or rid in self._queued[target]:
-            state = live.state if live is not None else was
-            raise InvalidInput("request_id", f"{rid!r} is already in use on this side ({state or 'queued'})")
+        if live is not None or rid in self._queued[target]:
+            raise InvalidInput("request_id", f"{rid!r} is already in use on this side "
+                                             f"({live.state if live is not None else 'queued'})")
+        if was is not None:  # vLLM keeps an id across preemption: say why, and until when
+            raise InvalidInput("request_id", f"{rid!r} finished here ({was}) and is remembered, so that late "
+                                             "news of it is told from a new request's; use a new id (an id is "
+                                             "free again once forgotten: CoreConfig.tombstones, tombstone_ns)")
 
     def _live(self, rid: str) -> bool:
         return rid in self.core.consumers or rid in self._queued[CONSUMER]
@@ -686,6 +690,7 @@ class Connector:
         Owner thread only. Repeats while events keep arriving, at most ``rounds`` times.
         """
         self._open()
+        _check_int("rounds", rounds, low=1, high=1 << 20)
         core = self.core
         for _ in range(rounds):
             core.pump()

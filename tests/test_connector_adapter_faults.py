@@ -123,3 +123,11 @@ def test_a_consumer_only_connector_mints_no_params() -> None:
     with pytest.raises(InvalidInput, match="consumer-only") as exc:
         quiet.request_finished("p1", [1, 2])
     assert exc.value.field == "host" and not quiet.core.producers
+
+
+@pytest.mark.parametrize("rounds", [0, -1, "x", 1.5, 1 << 21])
+def test_step_rounds_out_of_range_is_refused_by_name(rounds: Any) -> None:
+    pair = SimPair()
+    with pytest.raises(InvalidInput) as exc:
+        pair.d.step(rounds)
+    assert exc.value.field == "rounds"
