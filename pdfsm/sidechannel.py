@@ -754,9 +754,25 @@ class SideChannelHandshaker:
         if self._queued >= self.max_queued:
             return cmd, (f"side channel handshaker overloaded here: {self._queued} handshakes already wait "
                          f"(max_queued); {cmd.host}:{cmd.port} was not tried")
+        self._drop_superseded(cmd)
         self._waiting.setdefault((cmd.host, cmd.port), deque()).append(cmd)
         self._queued += 1
         return None, ""
+
+    def _drop_superseded(self, cmd: StartHandshake) -> None:
+        """Forget waiting attempts of ``cmd``'s engine and stage that ``cmd`` replaces: the core
+        starts an attempt only once the one before ended (its own handshake_timeout_ns gave up on
+        it), so nobody waits for their answer, and left queued they would fill the queue behind a
+        hung listener and run for nothing."""
+        for dest, waiting in list(self._waiting.items()):
+            keep = deque(w for w in waiting if not (w.engine_id == cmd.engine_id and w.pp_rank == cmd.pp_rank
+                                                    and w.attempt < cmd.attempt))
+            if len(keep) != len(waiting):
+                self._queued -= len(waiting) - len(keep)
+                if keep:
+                    self._waiting[dest] = keep
+                else:
+                    del self._waiting[dest]
 
     def _spawn(self) -> tuple[StartHandshake | None, str]:
         """Start a worker if one may run and an attempt can: every worker alive is busy (an idle

@@ -183,6 +183,25 @@ def test_a_full_queue_fails_the_attempt_at_once_as_a_local_overload_without_tryi
         assert srv.stats()["served"] == 0 and not srv.stats()["refused"]
 
 
+def test_attempts_the_core_gave_up_on_do_not_fill_the_queue_behind_a_hung_listener() -> None:
+    """The core times an unanswered attempt out (handshake_timeout_ns, shorter than the
+    handshaker's own timeout) and starts the next: the superseded attempts still waiting were
+    kept, ran for nothing, and filled the queue until a healthy engine's handshake was refused
+    as "overloaded here" (found by review). A newer attempt of an engine and stage replaces its
+    waiting older ones, which nobody waits for (their answers would be stale)."""
+    with (SideChannelServer(healthy_reply) as srv, hung_listeners(1) as hung,
+          handshaker(timeout=1.0, max_workers=1, max_queued=2) as (hs, inbox)):
+        for attempt in range(1, 8):
+            hs.start(start("P", hung[0], attempt=attempt))
+        assert hs.stats() == {"waiting": 1, "running": 1, "threads": 1}
+        with hs._lock:
+            assert [c.attempt for q in hs._waiting.values() for c in q] == [7]
+        hs.start(start("H", srv.port))  # the queue has room: it waits its turn, it is not refused
+        got = outcomes(inbox, 2)
+        assert [e.engine_id for e in got] == ["P", "H"] and isinstance(got[1], HandshakeDone)
+        assert got[0].attempt == 1  # the running attempt ends (timed out); 2..6 were never run
+
+
 def test_worker_threads_stay_bounded_and_exit_when_idle() -> None:
     """Threads start on demand, never more than max_workers, and go once nothing can run."""
     seen: list[int] = []
