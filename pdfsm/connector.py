@@ -422,7 +422,9 @@ class Connector:
         ``issued_wall_ns``: when the hold was decided, on a wall clock, the same value on every
         rank (the scheduler's stamp, say); notifications name the hold by it. The default, this
         host's wall clock now, ties the ranks' holds together only within
-        ``CoreConfig.hold_skew_ns``, so ranks on hosts whose clocks differ by more should share one.
+        ``CoreConfig.hold_skew_ns``, so ranks on hosts whose clocks differ by more should share one;
+        a self-stamped hold of a producer with several ranks is held that much past its lease.
+        ``lease_ns`` must be the same on every rank: the params carry the minting rank's.
         """
         self._open()
         if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
@@ -449,8 +451,15 @@ class Connector:
         if lease_ns is not None:
             _check_int("lease_ns", lease_ns, low=1)
         self._check_fresh(rid, PRODUCER)
-        now = self._clock()
-        deadline = None if lease_ns is None else Deadline(self.config.clock, now + lease_ns)
+        now, cfg = self._clock(), self.config
+        lease = cfg.lease_ns if lease_ns is None else lease_ns
+        if issued_wall_ns is None and cfg.tp_size * cfg.pp_size > 1:
+            # Self-stamped: the params a consumer counts the lease from may be another rank's,
+            # minted up to hold_skew_ns after this call. Held that much longer, this rank's blocks
+            # outlive every read the consumer still trusts (found by review: a rank that held
+            # 3 s before the minting one released blocks a read then copied, reported received).
+            lease += cfg.hold_skew_ns
+        deadline = None if lease == cfg.lease_ns else Deadline(cfg.clock, now + lease)
         issued = max(self._wall_clock(), 0) if issued_wall_ns is None else issued_wall_ns
         return BlocksHeld(source=Source.SCHEDULER, t_ns=now, request_id=rid, block_ids=blocks, deadline=deadline,
                           issued_wall_ns=issued)

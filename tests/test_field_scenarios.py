@@ -114,7 +114,7 @@ def test_vllm_pr_50558_more_local_than_remote_blocks_is_refused_up_front() -> No
     assert off.outcome == "failed" and off.invalid_blocks == (5, 6, 7) and off.policy == "recompute"
 
 
-def test_vllm_pr_48758_partial_prefix_hit_reads_the_tail_not_the_head() -> None:
+def test_vllm_pr_48758_partial_prefix_hit_reads_the_blocks_after_the_hit_not_the_head() -> None:
     """https://github.com/vllm-project/vllm/pull/48758 -- with a partial local prefix hit the
     connector trimmed the remote block list from the wrong end (head instead of tail), reading
     blocks the decoder already had into the slots of the ones it lacked. pdfsm reads only the

@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 import pytest
-from helpers import LeaseWorld, S, connected, ev, handshake, make_core, read, reply, tick
+from helpers import LeaseWorld, RankedEngines, S, connected, ev, handshake, make_core, read, reply, tick
 
 from pdfsm.commands import FinishedSending, HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector
@@ -320,3 +320,44 @@ def test_tombstone_pushed_out_while_notifications_still_arrive() -> None:
     assert _finished(core) == [] and "a" not in core.producers
     assert core.violations[Fault.REMOTE] >= 3
     assert not any(isinstance(r.event, LeaseExpired) and r.event.request_id == "b" for r in core.log.records())
+
+
+@pytest.mark.parametrize("lag_s", [0.5, 1.5, 3.0, 4.9])
+def test_a_rank_that_holds_before_the_minting_rank_keeps_its_blocks_while_reads_of_them_are_trusted(
+        lag_s: float) -> None:
+    """Prefill TP 2: rank 1 calls request_finished ``lag_s`` before rank 0, whose params (and
+    issue stamp) the router passes on; within hold_skew_ns, as the docs allow. The consumer
+    counts the lease from rank 0's stamp, so rank 1's own lease ran out first: its blocks were
+    reused while a slow read of them was still trusted, and the request was reported received
+    with another request's bytes (found by review). A self-stamped hold of a multi-rank producer
+    is held hold_skew_ns longer: the read either fails (not trusted) or copies rank 1's bytes."""
+    e = RankedEngines(2, 1, p_config={"lease_ns": 10 * S}, d_config={"lease_margin_ns": S})
+    e.now = 100 * S
+    p0, p1, d = e.p[(0, 0)], e.p[(0, 1)], e.d[(0, 0)]
+    p1.request_finished("r", [3, 4])
+    e.now += int(lag_s * S)
+    params = p0.request_finished("r", [3, 4])
+    e.net.script("dr", 0, 1, ReadScript(end="hang"))  # the read of rank 1 is slow
+    d.load("dr", [10, 11], params)
+    d.get_finished()
+    outcome = ""
+    for t in (104, 105, 108, 110.2, 110.4, 110.6):
+        e.now = int(t * S)
+        if t == 110.4:  # the slow read completes: before the consumer's trust bound when lag > margin
+            read_ = e.dt[(0, 0)].reads.get(("dr", 0, 1))
+            if read_ is not None:
+                read_.script = ReadScript(polls=0, end="done")
+        for k, c in ((0, p0), (1, p1)):
+            c.get_finished()
+            if "r" in c.last.expired:  # the scheduler frees them; another request overwrites them
+                tr = e.pt[(0, k)]
+                for b in (3, 4):
+                    tr.memory[b * tr.block_bytes:(b + 1) * tr.block_bytes] = pattern("other", b, tr.block_bytes)
+        if "dr" in d.get_finished()[1]:
+            outcome = "failed" if d.last.failed else "received"
+    assert outcome
+    if outcome == "received":
+        half, tr1 = e.dt[(0, 0)].block_bytes // 2, e.pt[(0, 1)]
+        assert all(e.dt[(0, 0)].block(lb)[half:] == pattern("P0.1", rb, tr1.block_bytes)
+                   for lb, rb in ((10, 3), (11, 4)))
+    assert not [r for r in p1.core.log.records() if r.fault]  # no notice after its lease
