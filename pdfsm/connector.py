@@ -384,7 +384,9 @@ class Connector:
         transport.bind(self.core.submit, clock)
         handshaker.bind(self.core.submit, clock)
         self._step = 0
-        self._recancel: set[tuple[str, int, int]] = set()  # cancels the transport raised on, retried each round
+        # Cancels the transport raised on: handle -> (failures, the round to retry it in).
+        self._recancel: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self._round = 0
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         # Params already loaded, their minting -> local id, the newest tombstones-many:
@@ -702,6 +704,7 @@ class Connector:
         _check_int("rounds", rounds, low=1, high=1 << 20)
         core = self.core
         for _ in range(rounds):
+            self._round += 1
             core.pump()
             for queued in self._queued.values():  # applied: live or remembered from now on
                 queued.clear()
@@ -834,27 +837,31 @@ class Connector:
                 _log.exception("command failed", command=type(cmd).__name__)
 
     def _cancel(self, handle: tuple[str, int, int]) -> None:
-        """A cancel that raises is retried every round while its read is still in flight: one lost
-        cancel would otherwise leave a hung read, and its request, stopping for ever."""
+        """A cancel that raises is retried while its read is still in flight, after 2, 4, ... 1024
+        rounds: one lost cancel would otherwise leave a hung read, and its request, stopping for
+        ever. Logged at its 1st, 2nd, 4th, ... failure, not every round."""
         try:
             self.transport.cancel_read(*handle)
-        except Exception:  # noqa: BLE001 - logged, kept for the next round
-            _log.exception("cancel failed", request_id=handle[0], pp_rank=handle[1], tp_rank=handle[2])
-            self._recancel.add(handle)
+        except Exception:  # noqa: BLE001 - logged, kept for a later round
+            failures = self._recancel.get(handle, (0, 0))[0] + 1
+            self._recancel[handle] = (failures, self._round + min(2 ** failures, 1024))
+            if not failures & (failures - 1):
+                _log.exception("cancel failed", request_id=handle[0], pp_rank=handle[1], tp_rank=handle[2],
+                               failures=failures)
         else:
-            self._recancel.discard(handle)
+            self._recancel.pop(handle, None)
 
     def _retry_cancels(self) -> None:
-        for handle in list(self._recancel):
+        for handle, (_, due) in list(self._recancel.items()):
             m = self.core.consumers.get(handle[0])
             plan = None if m is None else m.plan
             live = plan is not None and m is not None and m.state in STOPPING and any(
                 (m.pending >> i) & 1 and (src.pp_rank, src.tp_rank) == handle[1:]
                 for i, src in enumerate(plan.sources))
-            if live:
+            if not live:
+                del self._recancel[handle]
+            elif due <= self._round:
                 self._cancel(handle)
-            else:
-                self._recancel.discard(handle)
 
     def _send(self, engine_id: str, pp_rank: int, tp_rank: int, note: Notification) -> None:
         try:

@@ -131,3 +131,26 @@ def test_step_rounds_out_of_range_is_refused_by_name(rounds: Any) -> None:
     with pytest.raises(InvalidInput) as exc:
         pair.d.step(rounds)
     assert exc.value.field == "rounds"
+
+
+class DeafCancel(SimTransport):
+    """Every cancel raises (a transport that lost its thread, say)."""
+
+    tries = 0
+
+    def cancel_read(self, request_id: str, pp_rank: int, tp_rank: int) -> None:
+        self.tries += 1
+        raise RuntimeError("cancel refused")
+
+
+def test_a_cancel_that_keeps_failing_backs_off_instead_of_flooding_the_transport_and_the_log() -> None:
+    """Retried every round, a cancel that always raised was tried 1,000 times in 1,000 steps
+    (twice in the first), each with an error and its traceback (found by review)."""
+    pair = SimPair(d_transport=DeafCancel)
+    pair.net.script("d1", 0, 0, ReadScript(end="hang"))
+    pair.d.load("d1", [5, 6], pair.p.request_finished("p1", [1, 2]))
+    pair.run(3)
+    pair.d.abort("d1")
+    pair.run(1000)
+    assert isinstance(pair.cons, DeafCancel) and 8 <= pair.cons.tries <= 12
+    assert pair.d.core.consumers["d1"].state.name == "ABORTING"  # still stopping: its read never ended
