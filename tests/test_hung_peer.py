@@ -43,8 +43,9 @@ def test_a_peer_whose_cancelled_reads_never_stop_is_taken_as_lost_and_later_requ
     pair.net.handshake_faults[("127.0.0.1", 9)] = "hang"  # stopped: its side channel answers nobody
     recv, _, _ = pair.run(30)  # past the read deadline and the cancel's grace
     assert recv == [] and ("d1", 0, 0) in cons.reads  # still waiting for its own read to stop
-    lost = [r for r in pair.d.core.log.records() if isinstance(r.event, PeerDisconnected)]
-    assert len(lost) == 1 and lost[0].cause is not None and "cancel_grace_ns" in lost[0].event.detail
+    lost = [(r.cause, r.event) for r in pair.d.core.log.records() if isinstance(r.event, PeerDisconnected)]
+    ((cause, event),) = lost
+    assert cause is not None and isinstance(event, PeerDisconnected) and "cancel_grace_ns" in event.detail
     assert pair.d.core.engines[("P", 0)].state.name == "DISCONNECTED"
 
     # Later requests handshake again: unanswered, they fail with their policy, reading nothing.
