@@ -3,15 +3,20 @@
 - :func:`drive` runs one interleaving inside a Hypothesis test (``@given(st.data())``):
   at each step Hypothesis picks one of the enabled choices (or to stop), so failures
   shrink to short interleavings made of the first choices, fault-free where possible.
+  Given ``logs=``, a failing interleaving's logs are written there.
 - :func:`hunt` runs that search programmatically and returns what it found: whether an
-  invariant broke, after how many examples and seconds, and the shrunk counterexample.
+  invariant broke, after how many examples and seconds, and the shrunk counterexample
+  (its steps then minimized by name, see :func:`minimize`).
 - :func:`exhaust` tries every interleaving up to a depth, treating choices that touch
-  different requests as commuting (sleep sets), for when sampling is not enough.
+  different requests as commuting (sleep sets), for when sampling is not enough; a node
+  budget bounds it, and says when it cut the search short.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -43,6 +48,10 @@ DEFAULT_SCENARIOS: dict[str, Scenario] = {
                                      "handshake: D0 gets the answer for (P, pp 0) #1: timed out",
                                      "prefill: p1 finishes prefill", "scheduler: D0 asks to read r1",
                                      "handshake: D0 gets the answer for (P, pp 0) #2")),
+    # A decode timer behind: reads end, and answers come, past a deadline not yet expired (the trust bound).
+    "decode timer behind": Scenario(requests=2, producer_tp=2, faults=frozenset({"late-tick", "abort"})),
+    # Cancelled reads outliving cancel_grace_ns: their connection taken as lost while they still run.
+    "cancelled reads hang": Scenario(requests=2, producer_tp=2, cancel_grace_ns=10),
 }
 """Shapes the CI profile explores; together they reach every reachable cell (tests/test_race.py)."""
 
@@ -51,14 +60,28 @@ _GLOBAL = frozenset({"time", "collect", "engine"})
 
 
 def drive(data: st.DataObject, scenario: Scenario | None = None, variant: Variant | None = None,
-          invariants: Iterable[Invariant] = (), *, settle: bool = True) -> World:
-    """One interleaving chosen by Hypothesis; raises :class:`InvariantViolation` on a broken invariant."""
+          invariants: Iterable[Invariant] = (), *, settle: bool = True,
+          logs: str | os.PathLike[str] | None = None) -> World:
+    """One interleaving chosen by Hypothesis; raises :class:`InvariantViolation` on a broken invariant.
+
+    With ``logs``, a failing run's logs are written there (emptied first), in the production
+    format for ``pdfsm replay``, and the message names the directory. Hypothesis runs the
+    shrunk example last, so the logs left are those of the counterexample it reports. The steps
+    are Hypothesis's shrink; :func:`hunt` (and the ``race`` fixture) also remove steps by name.
+    """
     world = World(scenario, variant, invariants)
-    _choose(world, data)
-    if settle:
-        world.drain()
-        for invariant in END_INVARIANTS:
-            invariant(world)
+    try:
+        _choose(world, data)
+        if settle:
+            world.drain()
+            for invariant in END_INVARIANTS:
+                invariant(world)
+    except InvariantViolation as exc:
+        if logs is None:
+            raise
+        shutil.rmtree(logs, ignore_errors=True)  # another example's cores would pass for this one's
+        world.dump(logs)
+        raise InvariantViolation(f"{exc}\n\ncounterexample logs (pdfsm replay them): {logs}") from exc
     return world
 
 
@@ -193,21 +216,29 @@ def _independent(a: Choice, b: Choice) -> bool:
 
 @dataclass
 class Exhausted:
+    """What an exhaustive search did: ``cut`` when the node budget ended it before every path was
+    tried (then a clean result proves nothing about the paths left)."""
+
     paths: int
     nodes: int
     violation: str = ""
     trace: list[str] = field(default_factory=list)
+    cut: bool = False
 
 
 def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iterable[Invariant] = (),
-            *, depth: int = 12, ticks: int = 1, collects: int = 2) -> Exhausted:
+            *, depth: int = 12, ticks: int = 1, collects: int = 2, max_nodes: int | None = 20_000) -> Exhausted:
     """Every interleaving of up to ``depth`` choices, commuting independent ones (sleep sets).
 
     The search starts after the scenario's ``prefix`` (a step not enabled is a ValueError).
     Timer and collect actions are global (they touch everything) and are bounded to ``ticks``
     and ``collects`` uses per path; every path ends by settling the world and checking the
-    end invariants.
+    end invariants. The tree grows about tenfold per level with the default faults, so the
+    search stops after ``max_nodes`` nodes (None: never) with ``cut`` set: a budget in nodes,
+    not seconds, so a cut search is the same search on any machine.
     """
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"max_nodes must be at least 1 (or None), got {max_nodes}")
     invariants = list(invariants)
     out = Exhausted(0, 0)
 
@@ -227,6 +258,9 @@ def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iter
                         or (c.name.startswith("scheduler: decode collects") and used_collects >= collects))]
 
     def visit(path: list[str], sleep: list[Choice]) -> None:
+        if max_nodes is not None and out.nodes >= max_nodes:
+            out.cut = True
+            return
         out.nodes += 1
         try:
             world = replay(path)
@@ -244,6 +278,8 @@ def exhaust(scenario: Scenario, variant: Variant | None = None, invariants: Iter
         asleep = {c.name for c in sleep}
         done: list[Choice] = []
         for choice in choices:
+            if out.cut:
+                return
             if choice.name in asleep:
                 continue
             visit([*path, choice.name], [s for s in [*sleep, *done] if _independent(s, choice)])

@@ -2,7 +2,8 @@
 
 ``STEP_INVARIANTS`` hold after every step; ``END_INVARIANTS`` once the world has settled
 (:meth:`World.drain`). Each is a plain function ``(world) -> None`` that calls
-``world.fail(...)``; a user's own invariants take the same shape.
+``world.fail(...)``; a user's own invariants take the same shape, and may ``assert`` instead
+(:meth:`World.check` turns an AssertionError into the same violation, steps and logs included).
 """
 
 from __future__ import annotations
@@ -102,15 +103,18 @@ def no_request_waits_on_an_idle_engine(w: World) -> None:
 
 
 def nothing_overdue(w: World) -> None:
-    """Right after a tick, every lease and read deadline at or before it has expired."""
-    if w.last_tick != w.now or not w.just_ticked:
+    """Right after a tick, every lease and read deadline at or before it has expired (on each core
+    the step ticked: one whose timer fell behind expires nothing until its late Tick comes)."""
+    if not w.ticked:
         return
-    for name, core in zip(w._core_names(), w._cores(), strict=True):
+    tick = w.last_tick_ns
+    for name in w.ticked:
+        core = w.core(name)
         for table, timers in ((core.consumers, core.deadlines), (core.producers, core.leases)):
             for key, m in table.items():
-                if m.deadline is not None and m.deadline <= w.last_tick and key in timers:
+                if m.deadline is not None and m.deadline <= tick and key in timers:
                     w.fail(f"{name}: {key} is overdue: its deadline {m.deadline} passed at the tick of "
-                           f"{w.last_tick}, and it is still {m.state}")
+                           f"{tick}, and it is still {m.state}")
 
 
 def transport_only_from_its_owner(w: World) -> None:

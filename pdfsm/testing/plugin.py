@@ -32,7 +32,7 @@ __all__ = ["Race", "race"]
 
 @dataclass
 class Race:
-    """Hunts races for one test; ``examples`` comes from ``PDFSM_RACE_EXAMPLES`` (default 300)."""
+    """Hunts races for one test; ``examples`` comes from ``PDFSM_RACE_EXAMPLES`` (default 300, at least 1)."""
 
     directory: Path
     examples: int
@@ -58,7 +58,21 @@ class Race:
             pytest.fail(f"{found.message}\n\ncounterexample logs (pdfsm replay them): {logs}", pytrace=False)
 
 
+def examples_from_env() -> int:
+    """``PDFSM_RACE_EXAMPLES`` (default 300), checked: 0 or a non-number surfaced as a raw
+    Hypothesis error at fixture setup, naming neither the variable nor what it should be."""
+    raw = os.environ.get("PDFSM_RACE_EXAMPLES", "300")
+    try:
+        examples = int(raw)
+    except ValueError:
+        examples = 0
+    if examples < 1:
+        pytest.fail(f"PDFSM_RACE_EXAMPLES must be a whole number of examples, at least 1; got {raw!r}",
+                    pytrace=False)
+    return examples
+
+
 @pytest.fixture
 def race(tmp_path: Path) -> Race:
     """Property-based race testing of pdfsm machines or of your own policy."""
-    return Race(tmp_path, int(os.environ.get("PDFSM_RACE_EXAMPLES", "300")))
+    return Race(tmp_path, examples_from_env())

@@ -7,9 +7,10 @@ the timers, and the faults. Each event source keeps its own order (a FIFO: a
 scheduler's requests, one handle's completion); which source delivers next is a
 *choice*, and so is every fault (a read ends ERR or its poll raises, a notification
 is dropped or duplicated, a handshake is refused or answered by the wrong listener,
-the peer disconnects, the lease runs out). A driver (Hypothesis, or the exhaustive
-search) makes the choices; the world applies them and checks the invariants after
-every step.
+the peer disconnects, the lease runs out, a decode worker's timer falls behind). A
+driver (Hypothesis, or the exhaustive search) makes the choices; the world applies them
+and checks the invariants after every step. Time is counted in units the cores see as
+milliseconds, each step a microsecond later (UNIT_NS, STEP_NS), so logs read as they would.
 
 Ground truth is kept beside the machines: which reads are in flight, which producer
 blocks have been freed and reused (a read that completes after its blocks were
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 import msgspec
 import structlog
@@ -70,9 +71,11 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.fsm import Fault
-from pdfsm.log import EventLog, MemorySink, Record
+from pdfsm.log import EventLog, MemorySink, Outcome, Record
 from pdfsm.timers import Timers
 from pdfsm.wire import Notification
+
+_DRAIN: Final = Core._drain.__code__  # the core's event loop, where a crash's event is found
 
 # Who stamps each event the world makes, as in production: a counterexample's trace then puts
 # each on its thread's track.
@@ -95,12 +98,21 @@ FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "h
                     "handshake-timeout", "peer-refused", "notify-drop", "notify-duplicate", "forge", "heartbeat"})
 # Opt-in faults: not in a Scenario's default ``faults`` (FAULTS), so the default scenarios, the mutant
 # suite and their derandomized searches stay as they were; name them in ``Scenario.faults`` to use them.
-EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart"})
+EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart", "late-tick"})
 COMPAT = "race-model-v1"
 # With "rank-restart", wall-clock times are said: params their issue time, ranks their start time.
 # A worker's restart takes RESTART_NS, more than the cores' HOLD_SKEW_NS: any params issued before
 # it are older than the new rank by more than the skew.
 WALL0, HOLD_SKEW_NS, RESTART_NS = 1_000_000, 5, 10
+# The world counts time in units (a Scenario's ``*_ns`` fields, the step names, ``World.now``); the
+# cores see a unit as UNIT_NS, and every step adds STEP_NS more, so a counterexample's logs read
+# in milliseconds with no two steps at one time (equal times tie-break by log order when merged).
+# A step's extra stays under one unit (STEP_CAP steps, then it stops growing), so every comparison
+# of a time with a deadline armed at an earlier step comes out as it did in units: the same runs.
+UNIT_NS: Final = 1_000_000
+STEP_NS: Final = 1_000
+STEP_CAP: Final = UNIT_NS // STEP_NS - 1
+_MAX_UNITS: Final = 1 << 32  # a time field's bound: in ns it must stay far inside the log's 64 bits
 QUIRKS = frozenset({"poll-errors-escape", "add-peer-off-owner", "notify-on-post", "no-rebase", "no-start-times"})
 
 
@@ -128,20 +140,47 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     handshake_retry_ns: int = 10  # the pause after a failed handshake before the next request retries
     tombstone_ns: int = 0  # the cores' tombstone_ns (0: their default); idle engines go after max(it, retry)
     idle_engine_ns: int = 150  # a connected engine unread this long is evicted (0: never)
+    # A read still running this long after its cancel takes its connection as lost (CoreConfig's;
+    # 0: never, the default here, so the default searches stay as they were before it came).
+    cancel_grace_ns: int = 0
     prefix: tuple[str, ...] = ()  # choices made first, by name, to start exploring from a deep point
     max_steps: int = 40
 
     def __post_init__(self) -> None:
+        if not isinstance(self.faults, (frozenset, set)) or not all(isinstance(f, str) for f in self.faults):
+            # A plain string is an iterable of letters: it failed later with a cryptic TypeError.
+            raise ValueError(f"Scenario.faults must be a frozenset of fault names, got {self.faults!r}")
         unknown = self.faults - FAULTS - EXTRA_FAULTS
         if unknown:  # a misspelt fault would quietly be searched without
             raise ValueError(f"unknown faults {sorted(unknown)}: known are {sorted(FAULTS | EXTRA_FAULTS)}")
         # A size of 0 made a world with no rank to check (every hunt passed) or failed mid-search.
         for name in ("requests", "blocks", "consumer_tp", "producer_tp", "producer_pp", "max_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Scenario.{name} must be at least 1, got {getattr(self, name)}")
+            _check_int(name, getattr(self, name), 1, _MAX_UNITS)
+        # The times CoreConfig's check (pdfsm.connector._check_config) refuses, refused here too:
+        # a lease or read timeout of 0 made every read fail at once, and every hunt pass.
+        for name in ("lease_ns", "read_timeout_ns"):
+            _check_int(name, getattr(self, name), 1, _MAX_UNITS)
+        for name in ("lease_margin_ns", "handshake_retry_ns", "tombstone_ns", "idle_engine_ns", "cancel_grace_ns",
+                     "max_staged"):
+            _check_int(name, getattr(self, name), 0, _MAX_UNITS)
+        _check_int("scheduler_clock_offset", self.scheduler_clock_offset, -_MAX_UNITS, _MAX_UNITS)
+        if self.lease_ns <= self.lease_margin_ns:  # no read is ever trusted: every request fails, silently
+            raise ValueError(f"Scenario.lease_ns ({self.lease_ns}) must be more than lease_margin_ns "
+                             f"({self.lease_margin_ns}): reads are trusted only until the lease minus the margin")
+        if self.policy not in get_args(Policy):  # copied into every failure report, and matched by invariant 3
+            raise ValueError(f"Scenario.policy must be one of {get_args(Policy)}, got {self.policy!r}")
         stray = [i for i in self.notify_only if not 0 <= i < self.requests]
         if stray:  # they would quietly be ignored
             raise ValueError(f"Scenario.notify_only {stray}: request indices are 0..{self.requests - 1}")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if type(value) is not int:
+        raise ValueError(f"Scenario.{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"Scenario.{name} must be at least {low}, got {value}")
+    if value > high:
+        raise ValueError(f"Scenario.{name} must be at most {high}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -170,6 +209,34 @@ class Variant:
 
 class InvariantViolation(AssertionError):
     """An invariant failed; the message says which, at which step, and what led there."""
+
+
+def _name_of(invariant: object) -> str:
+    return getattr(invariant, "__name__", repr(invariant))
+
+
+def _record_crash(core: Core, ev: Event, exc: BaseException) -> int:
+    """Record the event whose guard or action raised, as a local violation of its machine that
+    changed nothing, and return its seq. The core's hot loop has no handler (actions never
+    raise), so the crash left no record: the dump would replay cleanly, the request simply
+    stuck where it was. The event that raised, maybe one the root derived, and its machine are
+    in the innermost frame of that loop."""
+    machine, before, cause, crashed = "core", "-", None, ev
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is _DRAIN and "ev" in frame.f_locals:
+            where = frame.f_locals
+            crashed, cause = where["ev"], where.get("cause")
+            route = core._routes.get(type(crashed))  # the machine the loop picked for it
+            m = where.get("m")
+            if route is not None and route[4] is not None and m is not None:
+                machine, before = route[3], m.state.name
+        tb = tb.tb_next
+    core.log.append(crashed, machine, before, before, Outcome.REJECTED,
+                    f"crashed: {type(exc).__name__}: {exc}", Fault.LOCAL, cause)
+    core.log.flush()
+    return core.log.next_seq - 1
 
 
 @dataclass(frozen=True)
@@ -208,27 +275,30 @@ class World:
         self.invariants = [*STEP_INVARIANTS, *invariants]
         self.sinks: dict[str, MemorySink] = {}
 
-        def core(name: str, **cfg: Any) -> Core:
+        u = UNIT_NS
+
+        def core(name: str, t_ns: int = 0, **cfg: Any) -> Core:
             sink = self.sinks[name] = MemorySink()
             timers = None
             if self.variant.timers is not None:
                 timers = (self.variant.timers(), self.variant.timers())
-            config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns,
-                                read_timeout_ns=s.read_timeout_ns, lease_margin_ns=s.lease_margin_ns,
-                                handshake_retry_ns=s.handshake_retry_ns, max_staged=s.max_staged,
-                                tombstone_ns=s.tombstone_ns, idle_engine_ns=s.idle_engine_ns,
-                                hold_skew_ns=HOLD_SKEW_NS, **cfg)
+            config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns * u,
+                                read_timeout_ns=s.read_timeout_ns * u, lease_margin_ns=s.lease_margin_ns * u,
+                                handshake_retry_ns=s.handshake_retry_ns * u, max_staged=s.max_staged,
+                                tombstone_ns=s.tombstone_ns * u, idle_engine_ns=s.idle_engine_ns * u,
+                                cancel_grace_ns=s.cancel_grace_ns * u, hold_skew_ns=HOLD_SKEW_NS * u, **cfg)
             return Core(config, EventLog(window=4096, sink=sink), tables=self.variant.tables, timers=timers,
-                        logger=_QUIET)
+                        logger=_QUIET, t_ns=t_ns)
 
-        def producer(pp: int, tp: int) -> Core:
-            return core(f"P{pp}.{tp}", engine_id="P", tp_rank=tp, tp_size=s.producer_tp, pp_rank=pp,
+        def producer(pp: int, tp: int, t_ns: int = 0) -> Core:
+            return core(f"P{pp}.{tp}", t_ns, engine_id="P", tp_rank=tp, tp_size=s.producer_tp, pp_rank=pp,
                         pp_size=s.producer_pp)
 
         self._producer = producer
         self.consumers = [core(f"D{r}", engine_id="D", tp_rank=r, tp_size=s.consumer_tp, supports_pp=s.supports_pp)
                           for r in range(s.consumer_tp)]
         self.producers = {(pp, tp): producer(pp, tp) for pp in range(s.producer_pp) for tp in range(s.producer_tp)}
+        self._names = (*(f"D{r}" for r in range(s.consumer_tp)), *(f"P{pp}.{tp}" for pp, tp in self.producers))
         self.walls = "rank-restart" in s.faults  # params and ranks say their wall-clock times
         self.started = dict.fromkeys(self.producers, 0)  # each producer rank's start, on the world's clock
         self.finished_at: dict[int, int] = {}  # when each request's prefill ended (its params' issue)
@@ -249,6 +319,10 @@ class World:
         self.delivered: dict[tuple[str, str], set[tuple[int, int]]] = {}  # (producer core, rid) -> parts
         self.last_tick = -1
         self.just_ticked = False
+        self.ticked: tuple[str, ...] = ()  # the cores the last step ticked (nothing due may stay armed there)
+        self.last_tick_ns = -1  # that Tick's time on the cores' clocks
+        self.behind: set[str] = set()  # consumer cores whose timer fell behind: no Tick until it catches up
+        self.late_ticks = 0
         self._sent = 0
         self.requested: set[tuple[int, str]] = set()
         self.notifications: list[Notification] = []
@@ -330,6 +404,11 @@ class World:
                 if rank not in self.refuse_post:
                     out.append(Choice(f"fault: D{rank}'s transport will refuse its next post", frozenset({"engine"}),
                                       partial(self._arm_post_refusal, rank)))
+        if "late-tick" in faults and self.late_ticks < 2:  # last: the other choices keep their places
+            for rank in range(self.s.consumer_tp):
+                if f"D{rank}" not in self.behind:
+                    out.append(Choice(f"timer: D{rank}'s timer falls behind", frozenset({"time"}),
+                                      partial(self._fall_behind, rank)))
         return out
 
     def _promised(self, i: int) -> bool:
@@ -374,6 +453,10 @@ class World:
             return [Choice(name, frozenset({"engine"}), lambda: self._answer(source, rank, cmd, "late")),
                     Choice(f"{name}: refused", frozenset({"engine"}),
                            lambda: self._answer(source, rank, cmd, "refuse"))]
+        if kind == "late-tick":  # not named "timer: ...": settling delivers it like any pending event
+            rank = payload
+            return [Choice(f"late timer D{rank}: the Tick it owes reaches D{rank}", frozenset({"time"}),
+                           lambda: self._catch_up(source, rank))]
         if kind == "link-down":
             rank, engine, pp, attempt = payload
             return [Choice(f"transport: D{rank} reports ({engine}, pp {pp}) disconnected", frozenset({"engine"}),
@@ -409,6 +492,7 @@ class World:
     def choose(self, choice: Choice) -> None:
         """Make one choice, then check every invariant."""
         self.just_ticked = False
+        self.ticked = ()
         self.step_no += 1
         self.journal.append(f"{self.step_no:3d}. {choice.name}")
         if not self.settling:
@@ -417,8 +501,21 @@ class World:
         self.check()
 
     def check(self) -> None:
-        for invariant in self.invariants:
-            invariant(self)
+        """Every step invariant. One may call :meth:`fail` or simply ``assert``: an AssertionError
+        becomes an InvariantViolation with the steps, so it shrinks and its logs are written like
+        the built-in invariants' (any other exception is a bug in the invariant: it propagates,
+        with a note of the invariant and the steps)."""
+        invariant = None
+        try:
+            for invariant in self.invariants:
+                invariant(self)
+        except InvariantViolation:
+            raise
+        except AssertionError as exc:
+            self.fail(f"invariant {_name_of(invariant)} failed: {exc or 'assert'}")
+        except Exception as exc:
+            exc.add_note(f"raised by invariant {_name_of(invariant)} after these steps:\n" + "\n".join(self.journal))
+            raise
 
     def fail(self, message: str) -> None:
         raise InvariantViolation(f"{message}\nafter {len(self.chosen)} chosen steps ({self.step_no} in all):\n"
@@ -439,7 +536,9 @@ class World:
         except InvariantViolation:
             raise
         except Exception as exc:  # noqa: BLE001 - any exception out of a core is a crash
-            self.fail(f"{name} crashed applying {type(ev).__name__}: {type(exc).__name__}: {exc}")
+            seq = _record_crash(core, ev, exc)
+            self.fail(f"{name} crashed applying {type(ev).__name__}: {type(exc).__name__}: {exc} "
+                      f"(recorded in {name}'s log at seq {seq}: replaying the logs stops there)")
         self._execute(name, core.take_commands())
 
     def _deliver_source(self, source: str, target: str, ev: Event) -> None:
@@ -447,7 +546,12 @@ class World:
         self.apply(target, ev)
 
     def _ev(self, cls: type, **fields: Any) -> Any:
-        return cls(source=_SOURCES[cls], t_ns=self.now, **fields)
+        return cls(source=_SOURCES[cls], t_ns=self.t_ns, **fields)
+
+    @property
+    def t_ns(self) -> int:
+        """Now on the cores' clocks: the world's time in ns, plus STEP_NS per step so far."""
+        return self.now * UNIT_NS + min(self.step_no, STEP_CAP) * STEP_NS
 
     # --- schedulers ------------------------------------------------------------------------------
 
@@ -461,10 +565,11 @@ class World:
                 self.promised[(f"{agent}:{self.prid(i)}", b)] = self.version.get((agent, b), 0)
             deadline = None
             if s.scheduler_deadlines:
-                there = self.now + s.scheduler_clock_offset
-                deadline = Deadline("scheduler", there + s.lease_ns)
+                there = (self.now + s.scheduler_clock_offset) * UNIT_NS
+                deadline = Deadline("scheduler", there + s.lease_ns * UNIT_NS)
                 if "no-rebase" not in self.variant.quirks:
-                    deadline = deadline.rebased(there_now_ns=there, here_clock="monotonic", here_now_ns=self.now)
+                    deadline = deadline.rebased(there_now_ns=there, here_clock="monotonic",
+                                                here_now_ns=self.now * UNIT_NS)
             ev = self._ev(BlocksHeld, request_id=self.prid(i), block_ids=self._p_blocks(i), deadline=deadline)
             self.lease_from[(agent, self.prid(i))] = self.now  # the lease runs from the end of prefill
             self._push(f"prefill-worker {agent}", ("register", (f"P{pp}.{tp}", agent, i, ev)))
@@ -479,8 +584,8 @@ class World:
         ev = self._ev(ReadRequested, request_id=self.crid(i), remote_request_id=self.prid(i), engine_id="P",
                       host="prefill", port=1, remote_tp=s.producer_tp, remote_pp=s.producer_pp,
                       local_blocks=self.blocks[i], remote_blocks=self._p_blocks(i) if self.blocks[i] else (),
-                      lease_ns=s.lease_ns, lease_start_ns=self.lease_seen[i],
-                      issued_wall_ns=WALL0 + self.finished_at[i] if self.walls else 0)
+                      lease_ns=s.lease_ns * UNIT_NS, lease_start_ns=self.lease_seen[i] * UNIT_NS,
+                      issued_wall_ns=(WALL0 + self.finished_at[i]) * UNIT_NS if self.walls else 0)
         self.requested.add((rank, ev.request_id))
         self._deliver_source(source, f"D{rank}", ev)
 
@@ -496,21 +601,43 @@ class World:
             self.apply(f"D{rank}", self._ev(Collect, step=self.step_no))
 
     def _tick(self, dt: int) -> None:
+        """Time passes by ``dt`` units; every core whose timer keeps up is ticked."""
         self.now += dt
         self.last_tick = self.now
         self.just_ticked = True
-        for name in self._core_names():
+        self.last_tick_ns = self.t_ns
+        behind = self.behind
+        self.ticked = tuple(name for name in self._names if name not in behind) if behind else self._names
+        for name in self.ticked:
             self.apply(name, self._ev(Tick))
 
     def _tick_deadline(self) -> None:
-        due = [d for c in self._cores() if (d := c.next_deadline()) is not None]
-        self._tick(max(1, min(due) - self.now) if due else 5)
+        """To the earliest deadline of a core whose timer keeps up (one behind is not woken by its own)."""
+        behind = self.behind
+        due = [d for name, c in zip(self._names, self._cores(), strict=True)
+               if name not in behind and (d := c.next_deadline()) is not None]
+        # A deadline armed at a step is a whole unit plus that step's extra (under a unit): its unit.
+        self._tick(max(1, min(due) // UNIT_NS - self.now) if due else 5)
+
+    def _fall_behind(self, rank: int) -> None:
+        """A decode worker's timer falls behind (a late timer thread): time passes without its Tick,
+        so a read may end, or a handshake be answered, after a deadline the core has not expired yet."""
+        self.late_ticks += 1
+        self.behind.add(f"D{rank}")
+        self._push(f"late timer D{rank}", ("late-tick", rank))
+
+    def _catch_up(self, source: str, rank: int) -> None:
+        self.sources[source].popleft()
+        name = f"D{rank}"
+        self.behind.discard(name)
+        self.last_tick_ns, self.ticked = self.t_ns, (name,)
+        self.apply(name, self._ev(Tick))
 
     def _cores(self) -> list[Core]:
         return [*self.consumers, *self.producers.values()]
 
     def _core_names(self) -> list[str]:
-        return [f"D{r}" for r in range(self.s.consumer_tp)] + [f"P{pp}.{tp}" for pp, tp in self.producers]
+        return list(self._names)
 
     def _abort(self, rid: str) -> None:
         self.aborts[rid] = self.aborts.get(rid, 0) + 1
@@ -525,7 +652,7 @@ class World:
         if self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
             self.lease_seen[i] = self.now
         for name in self._core_names()[self.s.consumer_tp:]:
-            self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns))
+            self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS))
 
     def _evict(self) -> None:
         self.faults_used.add("evict again" if "evict" in self.faults_used else "evict")
@@ -577,7 +704,7 @@ class World:
         name, agent = f"P{pp}.{tp}", self.agent("P", pp, tp)
         self.producers[(pp, tp)].log.flush()
         self.sinks[f"{name}-before-restart"] = self.sinks.pop(name)
-        self.producers[(pp, tp)] = self._producer(pp, tp)
+        self.producers[(pp, tp)] = self._producer(pp, tp, self.t_ns)  # its log starts when it does
         self.started[(pp, tp)] = self.now
         self.sources.pop(f"prefill-worker {agent}", None)  # holds it never registered
         for source in [k for k in self.sources if k.startswith("notify ") and k.endswith(f" {name}")]:
@@ -620,7 +747,7 @@ class World:
             engine = "Q" if how == "wrong" else "P"
             said = self.walls and "no-start-times" not in self.variant.quirks
             ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t),
-                                   started_wall_ns=WALL0 + self.started[(cmd.pp_rank, t)] if said else 0)
+                                   started_wall_ns=(WALL0 + self.started[(cmd.pp_rank, t)]) * UNIT_NS if said else 0)
                           for t in range(self.s.producer_tp))
             reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
                                    pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks)
@@ -652,13 +779,7 @@ class World:
                 else:
                     self.apply(name, self._ev(PeerAdded, **common))
             elif isinstance(cmd, DropPeer):
-                rank = int(name[1:])
-                in_flight = [k for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
-                             and r.cmd.engine_id == cmd.engine_id and not r.lost]
-                # After a disconnect the transport defers the drop (and reads on a lost connection end anyway).
-                if in_flight and not self.disconnected and not self.reporting_disconnect:
-                    self.fail(f"{name} dropped peer ({cmd.engine_id}, {cmd.pp_rank}) with reads in flight: {in_flight}")
-                self.peers.pop((rank, cmd.engine_id, cmd.pp_rank), None)
+                self._drop_peer(name, cmd)
             elif isinstance(cmd, PostRead):
                 self._post(name, cmd)
             elif isinstance(cmd, CancelRead):
@@ -672,6 +793,21 @@ class World:
                 self.hand_offs.setdefault((int(name[1:]), cmd.request_id), []).append(cmd)
             elif isinstance(cmd, FinishedSending):
                 self._freed(name, cmd)
+
+    def _drop_peer(self, name: str, cmd: DropPeer) -> None:
+        rank = int(name[1:])
+        on_it = [(k, r) for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
+                 and r.cmd.engine_id == cmd.engine_id and not r.lost]
+        # Reads cancelled and still running (a connection taken as lost after cancel_grace_ns) are
+        # the core's to wait for; they end DISCONNECTED once their peer is dropped. A read not
+        # cancelled would write blocks nobody watches: after a disconnect the transport defers that
+        # drop (and reads on a lost connection end anyway).
+        in_flight = [k for k, r in on_it if not r.cancelled]
+        if in_flight and not self.disconnected and not self.reporting_disconnect:
+            self.fail(f"{name} dropped peer ({cmd.engine_id}, {cmd.pp_rank}) with reads in flight: {in_flight}")
+        for _, read in on_it:
+            read.lost = True
+        self.peers.pop((rank, cmd.engine_id, cmd.pp_rank), None)
 
     def _post(self, name: str, cmd: PostRead) -> None:
         rank, src = int(name[1:]), cmd.source
