@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +157,7 @@ class Engine:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
         self.results: queue.Queue[Result] = queue.Queue()
-        self.stderr: list[str] = []
+        self.stderr: deque[str] = deque(maxlen=20)  # its last words: a chatty engine fills no memory
         assert self.proc.stdout is not None and self.proc.stderr is not None
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
         self._stderr_done = threading.Thread(target=self._errors, args=(self.proc.stderr,), daemon=True)
@@ -180,7 +180,7 @@ class Engine:
 
     def _errors(self, err: IO[str]) -> None:
         for line in err:
-            self.stderr.append(line.rstrip())
+            self.stderr.append(line.rstrip()[:4096])
 
     def send(self, op: Any) -> None:
         if self.dead or self.proc.poll() is not None:
@@ -206,7 +206,7 @@ class Engine:
         code = self.proc.poll()
         if code is not None:
             self._stderr_done.join(2.0)  # the reader may still hold the engine's last words
-        tail = "\n".join(self.stderr[-20:])
+        tail = "\n".join(self.stderr)
         why = f"exited with code {code}" if code is not None else f"did not report {ev!r} in {timeout:.0f} s"
         raise EngineError(f"the {self.role} engine {why}:\n{tail}")
 
@@ -218,7 +218,7 @@ class Engine:
     def exited(self) -> str:
         """How the engine ended, with the tail of what it said on stderr."""
         self._stderr_done.join(2.0)
-        return f"the {self.role} engine exited with code {self.proc.returncode}:\n" + "\n".join(self.stderr[-20:])
+        return f"the {self.role} engine exited with code {self.proc.returncode}:\n" + "\n".join(self.stderr)
 
     def reap(self, timeout: float) -> str | None:
         """Wait for the process to end (killed if it will not); what went wrong, if anything."""

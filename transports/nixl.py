@@ -79,7 +79,6 @@ default) only advances UCX inside the agent; it never calls into this object.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import threading
 import time
@@ -91,6 +90,7 @@ from typing import Any, Final, Literal
 import msgspec
 import numpy as np
 import numpy.typing as npt
+import structlog
 import torch
 
 from pdfsm.commands import PostRead
@@ -119,7 +119,7 @@ __all__ = [
     "nixl_available",
 ]
 
-_log = logging.getLogger("pdfsm.transports.nixl")
+_log = structlog.get_logger("pdfsm.transports.nixl")
 
 MAX_METADATA_BYTES = 1 << 20
 """Cap on one rank's metadata blob, checked before decoding."""
@@ -497,7 +497,7 @@ class NixlTransport:
         try:
             self.agent.remove_remote_agent(name)
         except Exception as exc:  # noqa: BLE001 - a peer we cannot forget is logged, not fatal
-            _log.warning("remove_remote_agent(%s) failed: %s: %s", name, type(exc).__name__, exc)
+            _log.warning("remove_remote_agent failed", agent=name, error=f"{type(exc).__name__}: {exc}")
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -548,8 +548,8 @@ class NixlTransport:
                 read.held = True
                 read.raised = f"transfer() raised {type(exc).__name__}: {exc}"
                 peer.reads += 1
-                _log.warning("read %s: transfer raised %s: %s, and NIXL refused to release it; polling until "
-                             "it ends", cmd.request_id, type(exc).__name__, exc)
+                _log.warning("transfer raised and NIXL refused to release it: polling until it ends",
+                             request_id=cmd.request_id, error=f"{type(exc).__name__}: {exc}")
                 return
             if isinstance(exc, self._errors["lost"]):
                 self._lost_at_post(cmd, peer, exc)
@@ -566,7 +566,7 @@ class NixlTransport:
         except self._errors["active"]:
             return False
         except Exception as exc:  # noqa: BLE001
-            _log.warning("releasing a transfer handle failed: %s: %s", type(exc).__name__, exc)
+            _log.warning("releasing a transfer handle failed", error=f"{type(exc).__name__}: {exc}")
         return True
 
     def _lost_at_post(self, cmd: PostRead, peer: _Peer, exc: BaseException) -> None:
@@ -637,7 +637,7 @@ class NixlTransport:
         try:
             self.agent.release_xfer_handle(read.handle)
         except Exception as exc:  # noqa: BLE001 - NIXL could not stop it: keep polling until it ends
-            _log.info("read %s could not be cancelled (%s); polling until it ends", request_id, exc)
+            _log.info("read could not be cancelled: polling until it ends", request_id=request_id, error=str(exc))
             return
         read.handle = None
         self._end(read, HandleFailure.CANCELLED, "released while in flight")
@@ -681,8 +681,8 @@ class NixlTransport:
         if not self._released(read.handle):
             if not read.held:
                 read.held = True
-                _log.warning("read %s: poll raised %s and NIXL refused to release it; polling until it ends",
-                             read.cmd.request_id, detail)
+                _log.warning("poll raised and NIXL refused to release it: polling until it ends",
+                             request_id=read.cmd.request_id, error=detail)
             return
         read.handle = None
         if isinstance(exc, self._errors["disconnect"]):
@@ -727,7 +727,7 @@ class NixlTransport:
         try:
             notifs = self.agent.get_new_notifs()
         except Exception as exc:  # noqa: BLE001 - logged; the next step polls again
-            _log.warning("get_new_notifs failed: %s: %s", type(exc).__name__, exc)
+            _log.warning("get_new_notifs failed", error=f"{type(exc).__name__}: {exc}")
             return
         for sender, messages in notifs.items():
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
@@ -771,7 +771,7 @@ class NixlTransport:
         try:
             self.agent.deregister_memory(self._reg)
         except Exception as exc:  # noqa: BLE001
-            _log.warning("deregister_memory failed: %s: %s", type(exc).__name__, exc)
+            _log.warning("deregister_memory failed", error=f"{type(exc).__name__}: {exc}")
         self._closed = True
         # NIXL stops the agent's progress and UCX threads when the agent is destroyed: drop it here,
         # not when the transport object happens to be collected (a Connector keeps it after shutdown).
@@ -824,7 +824,7 @@ def _release(handle: Any, what: str) -> None:
     try:
         handle.release()
     except Exception as exc:  # noqa: BLE001 - NIXL keeps a leaked handle and frees it with the agent
-        _log.warning("releasing a %s failed: %s: %s", what, type(exc).__name__, exc)
+        _log.warning("releasing failed", what=what, error=f"{type(exc).__name__}: {exc}")
 
 
 def _error_types(api: ModuleType) -> dict[str, tuple[type[BaseException], ...]]:

@@ -33,7 +33,7 @@ from pdfsm.events import (
     ReadRequested,
     Reported,
 )
-from pdfsm.fsm import Fault, Go, Ignore, Illegal, on
+from pdfsm.fsm import Cells, Fault, Go, Ignore, Illegal, on
 from pdfsm.testing.world import FAULTS, Scenario, Variant
 from pdfsm.timers import Timers
 from pdfsm.wire import Notification
@@ -46,15 +46,15 @@ __all__ = ["MUTANTS", "NaiveTimers"]
 local = Fault.LOCAL
 
 
-def _consumer(name: str, *cells: dict) -> Tables:  # type: ignore[type-arg]
+def _consumer(name: str, *cells: Cells) -> Tables:
     return Tables(consumer=C.TABLE.patched(name, {k: v for c in cells for k, v in c.items()}))
 
 
-def _producer(name: str, *cells: dict) -> Tables:  # type: ignore[type-arg]
+def _producer(name: str, *cells: Cells) -> Tables:
     return Tables(producer=P.TABLE.patched(name, {k: v for c in cells for k, v in c.items()}))
 
 
-def _engine(name: str, *cells: dict) -> Tables:  # type: ignore[type-arg]
+def _engine(name: str, *cells: Cells) -> Tables:
     return Tables(engine=E.TABLE.patched(name, {k: v for c in cells for k, v in c.items()}))
 
 
