@@ -371,6 +371,12 @@ class Connector:
         port: int = 0,
     ) -> None:
         config = _check_config(config, transport)
+        for field, read in (("clock", clock), ("wall_clock", wall_clock)):
+            # A float clock (time.monotonic) passed every check and raised inside the core later,
+            # losing a hold already accepted; a float wall clock minted params consumers refuse.
+            if not callable(read) or type(read()) is not int:
+                raise InvalidInput(field, f"must be a callable returning int nanoseconds (time.monotonic_ns, "
+                                          f"time.time_ns), got {read!r}")
         self.config = config
         # What the params this side mints name: checked now, not refused later by every consumer
         # ("" is allowed: a consumer-only worker mints none).

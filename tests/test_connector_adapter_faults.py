@@ -5,6 +5,7 @@ embedding review: each used to hang a request, crash the scheduler, or be accept
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -154,3 +155,18 @@ def test_a_cancel_that_keeps_failing_backs_off_instead_of_flooding_the_transport
     pair.run(1000)
     assert isinstance(pair.cons, DeafCancel) and 8 <= pair.cons.tries <= 12
     assert pair.d.core.consumers["d1"].state.name == "ABORTING"  # still stopping: its read never ended
+
+
+@pytest.mark.parametrize("which", ["clock", "wall_clock"])
+@pytest.mark.parametrize("bad", ["x", time.monotonic, time.time])
+def test_a_clock_that_is_not_int_nanoseconds_is_refused_when_the_connector_is_built(which: str, bad: Any) -> None:
+    """``clock=time.monotonic`` (float seconds) was accepted: request_finished returned params,
+    then the next step raised TypeError inside the core and the hold was gone, its blocks never
+    released; a float wall clock minted params every consumer refused (found by review)."""
+    from pdfsm.connector import Connector
+    from pdfsm.events import CoreConfig
+    from transports.sim import SimHandshaker, SimNetwork
+    net = SimNetwork()
+    with pytest.raises(InvalidInput) as exc:
+        Connector(CoreConfig(engine_id="P"), SimTransport(net, "P-0"), SimHandshaker(net), **{which: bad})
+    assert exc.value.field == which
