@@ -712,8 +712,11 @@ class SideChannelHandshaker:
         if submit is None:
             raise RuntimeError("bind() the handshaker before starting handshakes")
         with self._lock:
+            superseded = self._drop_superseded(cmd)
             refused = self._admit(cmd)
             unstarted = self._spawn() if refused[0] is None else (None, "")
+        for old in superseded:  # an outcome each, as for every attempt: the core finds it stale
+            submit(self._failed(old, f"superseded by attempt {cmd.attempt} before it ran: not tried"))
         for failed, error in (refused, unstarted):
             if failed is not None:
                 _log.warning("side channel handshake refused here", engine_id=failed.engine_id,
@@ -754,25 +757,28 @@ class SideChannelHandshaker:
         if self._queued >= self.max_queued:
             return cmd, (f"side channel handshaker overloaded here: {self._queued} handshakes already wait "
                          f"(max_queued); {cmd.host}:{cmd.port} was not tried")
-        self._drop_superseded(cmd)
         self._waiting.setdefault((cmd.host, cmd.port), deque()).append(cmd)
         self._queued += 1
         return None, ""
 
-    def _drop_superseded(self, cmd: StartHandshake) -> None:
-        """Forget waiting attempts of ``cmd``'s engine and stage that ``cmd`` replaces: the core
-        starts an attempt only once the one before ended (its own handshake_timeout_ns gave up on
-        it), so nobody waits for their answer, and left queued they would fill the queue behind a
-        hung listener and run for nothing."""
+    def _drop_superseded(self, cmd: StartHandshake) -> list[StartHandshake]:
+        """Take out the waiting attempts of ``cmd``'s engine and stage that ``cmd`` replaces: the
+        core starts an attempt only once the one before ended (its own handshake_timeout_ns gave
+        up on it), so their answers would be stale, and left queued they would fill the queue
+        behind a hung listener and run for nothing. They fail at once, not tried."""
+        dropped: list[StartHandshake] = []
         for dest, waiting in list(self._waiting.items()):
-            keep = deque(w for w in waiting if not (w.engine_id == cmd.engine_id and w.pp_rank == cmd.pp_rank
-                                                    and w.attempt < cmd.attempt))
+            keep: deque[StartHandshake] = deque()
+            for w in waiting:
+                stale = w.engine_id == cmd.engine_id and w.pp_rank == cmd.pp_rank and w.attempt < cmd.attempt
+                (dropped if stale else keep).append(w)
             if len(keep) != len(waiting):
                 self._queued -= len(waiting) - len(keep)
                 if keep:
                     self._waiting[dest] = keep
                 else:
                     del self._waiting[dest]
+        return dropped
 
     def _spawn(self) -> tuple[StartHandshake | None, str]:
         """Start a worker if one may run and an attempt can: every worker alive is busy (an idle

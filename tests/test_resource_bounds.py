@@ -599,7 +599,7 @@ def test_side_channel_connections_opened_and_dropped_leave_no_threads_descriptor
             finally:
                 c.close()
         for i in range(300):
-            hs.start(StartHandshake(engine_id="P", pp_rank=0, attempt=i + 1, host="127.0.0.1",
+            hs.start(StartHandshake(engine_id=f"P{i}", pp_rank=0, attempt=i + 1, host="127.0.0.1",
                                     port=s.port if i % 2 else dead_port))
             if i % 8 == 7:  # at most 8 attempts queued at a time
                 assert eventually(_has(got, i + 1), 10.0)

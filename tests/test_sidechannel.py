@@ -210,12 +210,15 @@ def test_real_handshake_round_trips_exactly(server: SideChannelServer) -> None:
 
 
 def test_every_attempt_gets_exactly_one_outcome(server: SideChannelServer) -> None:
+    """Superseded attempts included (tests/test_sidechannel_queueing.py)."""
     dead = socket.create_server(("127.0.0.1", 0))
     dead_port = dead.getsockname()[1]
     dead.close()
     hs, inbox = handshaker(max_workers=3)
     try:
-        cmds = [cmd(server.port if i % 2 else dead_port, attempt=i, pp_rank=i % 3) for i in range(12)]
+        # An engine each: a newer attempt of the same engine and stage would supersede a waiting one.
+        cmds = [cmd(server.port if i % 2 else dead_port, attempt=i, pp_rank=i % 3, engine_id=f"P{i}")
+                for i in range(12)]
         for c in cmds:
             hs.start(c)
         events = [inbox.get() for _ in cmds]
@@ -444,8 +447,8 @@ def test_close_abandons_attempts_promptly() -> None:
     fake = FakeServer(None)
     hs, inbox = handshaker(timeout=30.0, max_workers=1)
     try:
-        for attempt in (1, 2, 3):  # one running, two queued
-            hs.start(cmd(fake.port, attempt=attempt))
+        for attempt in (1, 2, 3):  # one running, two queued (engines of their own: none supersedes another)
+            hs.start(cmd(fake.port, attempt=attempt, engine_id=f"P{attempt}"))
         time.sleep(0.1)
         t0 = time.monotonic()
         hs.close()

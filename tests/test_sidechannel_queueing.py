@@ -68,12 +68,9 @@ def test_sglang_pr_34692_hung_listeners_do_not_fail_a_healthy_engines_handshake(
     with SideChannelServer(healthy_reply) as srv, hung_listeners(8) as hung, handshaker(timeout=1.0) as (hs, inbox):
         for i, port in enumerate(hung):
             hs.start(start(f"P{i}", port))
-        t0 = time.monotonic()
         hs.start(start("H", srv.port))
-        first = inbox.get(timeout=4)
-        waited = time.monotonic() - t0
+        first = inbox.get(timeout=4)  # before any hung attempt's timeout: they are still running
         assert isinstance(first, HandshakeDone) and first.engine_id == "H", first
-        assert waited < 0.5, waited  # not held up: the hung attempts are still running
         rest = outcomes(inbox, 8)
         assert all(isinstance(e, HandshakeFailed) and "no answer within" in e.error for e in rest), rest
         assert sorted(e.engine_id for e in rest) == [f"P{i}" for i in range(8)]
@@ -98,7 +95,6 @@ def test_sglang_pr_34692_a_healthy_engine_connects_through_the_connector_while_e
             for i, port in enumerate(hung):
                 d.load(f"r{i}", [10 + 2 * i, 11 + 2 * i], params(f"P{i}", port, f"p{i}"))
             d.get_finished()
-            t0 = time.monotonic()
             d.load("rH", [40, 41], params("H", srv.port, "h1"))
             got: set[str] = set()
             failed: dict[str, str] = {}
@@ -110,7 +106,7 @@ def test_sglang_pr_34692_a_healthy_engine_connects_through_the_connector_while_e
 
             assert eventually(received, timeout=4.0)
             assert "rH" not in failed, failed["rH"]
-            assert time.monotonic() - t0 < 0.9  # before the hung prefills' 1 s timeout
+            assert got == {"rH"}  # before the hung prefills' requests: their attempts still run
             assert d.core.engines[("H", 0)].state is EngineState.CONNECTED
         finally:
             d.shutdown()
@@ -143,13 +139,11 @@ def test_tpu_sync_pr_853_a_saturated_pool_gives_its_next_free_worker_to_the_heal
         for name, port in zip(names, hung, strict=True):  # round 2: A and B run, C and D wait
             hs.start(start(name, port, attempt=2))
         assert hs.stats() == {"waiting": 2, "running": 2, "threads": 2}
-        t0 = time.monotonic()
         hs.start(start("H", srv.port))
         order = outcomes(inbox, 5)
         done = next(i for i, e in enumerate(order) if isinstance(e, HandshakeDone))
         assert order[done].engine_id == "H"
         assert {"C", "D"} <= {e.engine_id for e in order[done + 1:]}, order  # H went before them
-        assert time.monotonic() - t0 > 0.7  # C and D still had their full timeouts after H
 
 
 def test_one_hung_listener_holds_at_most_max_per_destination_workers() -> None:
@@ -160,10 +154,9 @@ def test_one_hung_listener_holds_at_most_max_per_destination_workers() -> None:
         for pp in range(6):
             hs.start(start("P", hung[0], pp_rank=pp))
         assert hs.stats() == {"waiting": 4, "running": 2, "threads": 2}
-        t0 = time.monotonic()
         hs.start(start("H", srv.port))
         ev = inbox.get(timeout=4)
-        assert isinstance(ev, HandshakeDone) and ev.engine_id == "H" and time.monotonic() - t0 < 0.5
+        assert isinstance(ev, HandshakeDone) and ev.engine_id == "H"  # while the hung attempts still run
         assert eventually(lambda: hs.stats() == {"waiting": 4, "running": 2, "threads": 2})
 
 
@@ -174,10 +167,8 @@ def test_a_full_queue_fails_the_attempt_at_once_as_a_local_overload_without_tryi
           handshaker(timeout=1.0, max_workers=1, max_queued=2) as (hs, inbox)):
         for attempt in (1, 2, 3):  # one runs, two wait: the queue is full
             hs.start(start("P", hung[0], attempt=attempt, pp_rank=attempt))
-        t0 = time.monotonic()
         hs.start(start("H", srv.port))
-        ev = inbox.get(timeout=1)
-        assert time.monotonic() - t0 < 0.2
+        ev = inbox.get(timeout=1)  # at once: the running attempt's own timeout is still ahead
         assert isinstance(ev, HandshakeFailed) and ev.engine_id == "H", ev
         assert "overloaded here" in ev.error and "was not tried" in ev.error, ev.error
         assert srv.stats()["served"] == 0 and not srv.stats()["refused"]
@@ -188,7 +179,8 @@ def test_attempts_the_core_gave_up_on_do_not_fill_the_queue_behind_a_hung_listen
     handshaker's own timeout) and starts the next: the superseded attempts still waiting were
     kept, ran for nothing, and filled the queue until a healthy engine's handshake was refused
     as "overloaded here" (found by review). A newer attempt of an engine and stage replaces its
-    waiting older ones, which nobody waits for (their answers would be stale)."""
+    waiting older ones, which nobody waits for (their answers would be stale): each fails at once,
+    not tried (an outcome per attempt, as ever)."""
     with (SideChannelServer(healthy_reply) as srv, hung_listeners(1) as hung,
           handshaker(timeout=1.0, max_workers=1, max_queued=2) as (hs, inbox)):
         for attempt in range(1, 8):
@@ -196,10 +188,13 @@ def test_attempts_the_core_gave_up_on_do_not_fill_the_queue_behind_a_hung_listen
         assert hs.stats() == {"waiting": 1, "running": 1, "threads": 1}
         with hs._lock:
             assert [c.attempt for q in hs._waiting.values() for c in q] == [7]
+        superseded = outcomes(inbox, 5)  # 2..6, at once, never run
+        assert [e.attempt for e in superseded] == [2, 3, 4, 5, 6]
+        assert all(isinstance(e, HandshakeFailed) and "superseded" in e.error for e in superseded)
         hs.start(start("H", srv.port))  # the queue has room: it waits its turn, it is not refused
         got = outcomes(inbox, 2)
         assert [e.engine_id for e in got] == ["P", "H"] and isinstance(got[1], HandshakeDone)
-        assert got[0].attempt == 1  # the running attempt ends (timed out); 2..6 were never run
+        assert got[0].attempt == 1  # the running attempt ends (timed out)
 
 
 def test_worker_threads_stay_bounded_and_exit_when_idle() -> None:
