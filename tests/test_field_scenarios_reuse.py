@@ -59,7 +59,10 @@ class Rig:
         return WALL0 + self.now
 
     def prefill(self, rid: str, blocks: list[int]) -> KVTransferParams:
-        minted = [p.request_finished(rid, blocks) for p in self.p]  # every rank holds; the router gets rank 0's
+        # Every rank holds, under the scheduler's one stamp (a self-stamped hold of a multi-rank
+        # producer is held hold_skew_ns longer); the router gets rank 0's params.
+        stamp = self.wall()
+        minted = [p.request_finished(rid, blocks, issued_wall_ns=stamp) for p in self.p]
         return minted[0]
 
     def load(self, rid: str, local: list[int], params: Any) -> None:

@@ -8,6 +8,7 @@ flight, router-shaped params) and asserts what docs/embedding.md promises.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import msgspec
@@ -55,7 +56,8 @@ class Rig:
         return self.now
 
     def prefill(self, rid: str, blocks: list[int]) -> KVTransferParams:
-        every = [p.request_finished(rid, blocks) for p in self.p]  # each prefill rank holds its part
+        stamp = time.time_ns()  # the scheduler's one stamp for every rank's hold (docs/embedding.md)
+        every = [p.request_finished(rid, blocks, issued_wall_ns=stamp) for p in self.p]  # each rank holds its part
         return every[0]
 
     def load(self, rid: str, local: list[int], params: Any) -> None:
@@ -344,7 +346,8 @@ class _Sched:
         for t, pt in enumerate(rig.pt):
             for i, b in enumerate(blocks):
                 pt.memory[b * pt.block_bytes:(b + 1) * pt.block_bytes] = _content(hold, i, t, pt.block_bytes)
-        every = [p.request_finished(hold, list(blocks)) for p in rig.p]
+        stamp = time.time_ns()  # the scheduler's one stamp for every rank's hold
+        every = [p.request_finished(hold, list(blocks), issued_wall_ns=stamp) for p in rig.p]
         params = every[0]
         self.holds[hold] = blocks
         local_n = rnd.choice([k, k, k, k - 1, 0]) if k > 1 else rnd.choice([1, 1, 1, 0])

@@ -289,7 +289,9 @@ class World:
 
     def hold(self) -> None:
         """Every prefill rank holds the request's blocks; the router gets rank (0, 0)'s params."""
-        got = {k: r.conn.request_finished(PRID, list(self.topo.remote)) for k, r in self.p.items()}
+        stamp = time.time_ns()  # the scheduler's one stamp for every rank's hold (docs/embedding.md)
+        got = {k: r.conn.request_finished(PRID, list(self.topo.remote), issued_wall_ns=stamp)
+               for k, r in self.p.items()}
         self.params = KVTransferParams.parse(got[(0, 0)].to_dict())
         assert (self.params.remote_tp_size, self.params.remote_pp_size) == (self.topo.p_tp, self.topo.p_pp)
         assert {p.remote_block_ids for p in got.values()} == {self.topo.remote}
