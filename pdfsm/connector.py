@@ -736,7 +736,9 @@ class Connector:
 
         Failed and aborted consumer requests are among those finished receiving;
         :meth:`get_block_ids_with_load_errors` has the failed ones' blocks for this
-        same step, and :attr:`last` the details.
+        same step, and :attr:`last` the details. ``finished_req_ids`` is vLLM's argument,
+        accepted and not used: pdfsm knows which requests finished (``request_finished``,
+        ``abort``) from the calls that said so.
         """
         self._open()
         self.step()

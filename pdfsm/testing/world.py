@@ -317,8 +317,6 @@ class World:
         self.lease_from: dict[tuple[str, str], int] = {}  # when the lease started, on the worker's clock
         self.lease_seen: dict[int, int] = {}  # what the decode scheduler knows of each lease's start
         self.delivered: dict[tuple[str, str], set[tuple[int, int]]] = {}  # (producer core, rid) -> parts
-        self.last_tick = -1
-        self.just_ticked = False
         self.ticked: tuple[str, ...] = ()  # the cores the last step ticked (nothing due may stay armed there)
         self.last_tick_ns = -1  # that Tick's time on the cores' clocks
         self.behind: set[str] = set()  # consumer cores whose timer fell behind: no Tick until it catches up
@@ -491,7 +489,6 @@ class World:
 
     def choose(self, choice: Choice) -> None:
         """Make one choice, then check every invariant."""
-        self.just_ticked = False
         self.ticked = ()
         self.step_no += 1
         self.journal.append(f"{self.step_no:3d}. {choice.name}")
@@ -603,8 +600,6 @@ class World:
     def _tick(self, dt: int) -> None:
         """Time passes by ``dt`` units; every core whose timer keeps up is ticked."""
         self.now += dt
-        self.last_tick = self.now
-        self.just_ticked = True
         self.last_tick_ns = self.t_ns
         behind = self.behind
         self.ticked = tuple(name for name in self._names if name not in behind) if behind else self._names
