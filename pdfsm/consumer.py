@@ -41,7 +41,6 @@ from pdfsm.events import (
     EvictRequested,
     HandleDone,
     HandleFailed,
-    PeerDisconnected,
     Quarantined,
     RankInfo,
     ReadRequested,
@@ -144,7 +143,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False
     e = core.engines.get((ev.engine_id, 0))
-    if e is None or e.state is not CONNECTED:
+    if e is None or e.state is not CONNECTED or e.stalled:
         return False
     return e.reply is not None and _contradiction(e, ev, 0, core.config.hold_skew_ns) is None
 
@@ -315,8 +314,13 @@ def _disagrees_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core:
 
 
 def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
-    plan = core.plan(ev.remote_tp, ev.remote_pp)
-    return not all(core.engine_connected((ev.engine_id, pp)) for pp in plan.pp_ranks)
+    """A stage not connected, or stalled: the engine table decides (handshake, or fail fast)."""
+    engines, eid = core.engines, ev.engine_id
+    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
+        e = engines.get((eid, pp))
+        if e is None or e.state is not CONNECTED or e.stalled:
+            return True
+    return False
 
 
 def _nothing_to_read(m: ConsumerRequest, ev: object, core: Core) -> bool:
@@ -406,6 +410,8 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
+        if e.stalled:  # a read of it stopped: it answers again
+            e.stalled = False
         if not e.readers and (e.drop_owed or e.evict_owed):  # rare: the flags first, no call
             pay_drop(e, core)
             ask_owed_eviction(e, core, t_ns)
@@ -481,9 +487,9 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
     for pp in m.plan.pp_ranks:
         key = (req.engine_id, pp)
         e = core.engines.get(key)
-        if e is not None and e.state is CONNECTED:
+        if e is not None and e.state is CONNECTED and not e.stalled:
             _hold(m, e)
-        elif not (m.waiting >> pp) & 1:
+        elif not (m.waiting >> pp) & 1:  # the engine table decides: handshake, or fail fast
             m.waiting |= 1 << pp
             core.watch(m.request_id, key, req.host, req.port, t_ns)  # now: retry pauses are judged by it
             if e is not None and e.state is ENGINE_FAILED and e.pausing(t_ns, req.host, req.port):
@@ -831,10 +837,8 @@ def _cancel_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
         if (m.pending >> i) & 1:
             core.emit(CancelRead(request_id=m.request_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank))
     _disarm_deadline(m, core)
-    grace = core.config.cancel_grace_ns
-    if grace:
-        m.deadline = t_ns + grace
-        core.deadlines.arm(m.request_id, m.deadline)
+    m.deadline = max(t_ns, core.latest_t_ns) + core.cancel_grace_ns  # from now: the event may be stamped earlier
+    core.deadlines.arm(m.request_id, m.deadline)
 
 
 def _hung_reads_connected(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> bool:
@@ -842,7 +846,8 @@ def _hung_reads_connected(m: ConsumerRequest, ev: DeadlinePassed, core: Core) ->
     (no engine of the plan handshaken again since), one of them still taken as live."""
     if m.plan is None or m.req is None or m.attempts != _attempts(m, core):
         return False
-    return any(core.engine_connected((m.req.engine_id, pp)) for pp in _hung_stages(m))
+    return any(core.engine_connected((m.req.engine_id, pp)) and not core.engines[(m.req.engine_id, pp)].stalled
+               for pp in _hung_stages(m))
 
 
 def _hung_stages(m: ConsumerRequest) -> list[int]:
@@ -853,19 +858,18 @@ def _hung_stages(m: ConsumerRequest) -> list[int]:
 def _hung(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     """The peer no longer answers: a cancelled read did not stop within the grace (SGLang PR
     10222: a dead prefill's rooms must fail; TRT-LLM PR 12313: blocks leaked until the pool ran
-    out). Its connection is taken as lost: the next request handshakes again, and while the peer
-    stays silent (its side channel unanswered, or its transport still draining the hung reads)
-    fails fast with its policy instead of pinning its blocks behind the hung reads. This request
-    still waits for its own reads to stop before it is reported."""
+    out). Its stage is marked stalled: new requests for it fail fast with their policy (the engine
+    table) instead of pinning their blocks behind the hung reads, until a read of it stops (a
+    reader lets go). The connection is kept: reads still running on it finish, and notices
+    still go out over it, once the peer answers again. This request still waits for its own
+    reads to stop before it is reported."""
     m.deadline = None
     assert m.req is not None
-    eid, grace = m.req.engine_id, core.config.cancel_grace_ns
+    eid = m.req.engine_id
     for pp in _hung_stages(m):
         e = core.engines[(eid, pp)]
         if e.state is CONNECTED:
-            core.derive(PeerDisconnected(source=Source.CORE, t_ns=ev.t_ns, engine_id=eid, pp_rank=pp,
-                                         attempt=e.attempt, detail=f"a cancelled read of {m.request_id!r} still "
-                                         f"ran {grace / 1e9:g} s later (cancel_grace_ns): no answer"))
+            e.stalled = True
 
 
 def _hang_watched(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
@@ -1050,9 +1054,9 @@ TABLE: Final[Table] = Table(
         on(S.FAILING, AbortRequested, Go(S.ABORTING)),
         on(S.ABORTING, AbortRequested, Ignore("already aborting")),
         *(on(st, DeadlinePassed, Go(st, _hung, when=_hung_reads_connected, reason="cancelled reads outlived "
-                                    "cancel_grace_ns: their connection is taken as lost"),
+                                    "cancel_grace_ns: their engine stage is marked stalled"),
              Go(st, _hang_watched, reason="cancelled reads outlived cancel_grace_ns, over connections "
-                                         "already lost or replaced"))
+                                         "already lost, replaced or marked stalled"))
           for st in STOPPING),
         on(STOPPING, Quarantined, Ignore("already stopping: waiting for in-flight reads")),
         # Every read has stopped: waiting for the scheduler to collect the request.

@@ -192,6 +192,7 @@ class Core:
         self._forget_engine_ns = max(self._tombstone_ns, config.handshake_retry_ns)  # never before a retry
         self._idle_engine_ns = config.idle_engine_ns
         self._handshake_timeout_ns = config.handshake_timeout_ns or 2 * config.read_timeout_ns
+        self.cancel_grace_ns = config.cancel_grace_ns or config.read_timeout_ns
         # The latest time a core event (a Tick, a Collect) brought: what the core knows the time is
         # at least, whatever older stamp a late event carries from another thread.
         self.latest_t_ns = t_ns

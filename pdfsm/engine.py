@@ -84,6 +84,7 @@ class RemoteEngine:
         "readers",
         "reply",
         "retry_at",
+        "stalled",
         "started_ns",
         "state",
         "waiters",
@@ -102,6 +103,9 @@ class RemoteEngine:
         self.readers = 0  # requests holding it: told it is ready, or reading from it
         self.drop_owed = False  # lost while held: its peer is dropped when the last reader lets go (pay_drop)
         self.evict_owed = False  # eviction asked while held: asked again when the last reader lets go
+        # A cancelled read of it outlived cancel_grace_ns: new requests fail fast until a reader
+        # lets go (a read of it stopped: the peer answers again).
+        self.stalled = False
         self.reply: HandshakeReply | None = None
         self.started_ns = 0  # its reply's latest rank start (wall clock; 0: none said): read per request
         self.error: HandshakeError | None = None
@@ -176,6 +180,10 @@ def _retry_later(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
     return m.pausing(ev.t_ns, ev.host, ev.port)
 
 
+def _stalled(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
+    return m.stalled
+
+
 def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> bool:
     return m.readers > 0
 
@@ -185,7 +193,7 @@ def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> boo
 
 def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     pay_drop(m, core)  # handshaken again while a reader of the lost connection still stops: a clean slate
-    m.evict_owed = False  # a new connection: what was owed by the old one is moot
+    m.evict_owed = m.stalled = False  # a new connection: what was owed by, or seen of, the old one is moot
     if not m.attempt:
         # A fresh machine for a key seen before (forgotten since) numbers its attempts above every
         # earlier one's, so a late answer to the forgotten machine's attempt is recognized stale.
@@ -303,6 +311,16 @@ def _quarantine(m: RemoteEngine, ev: EngineQuarantined, core: Core) -> None:
     _fail(m, error, ev.t_ns, core, drop=drop)
 
 
+def _refuse_stalled(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    """Fail the request now, with its policy: a READ posted into a peer that no longer answers
+    would pin its blocks behind the hung ones for as long as the hang lasts."""
+    grace = core.cancel_grace_ns
+    core.derive(EngineFailed(source=Source.CORE, t_ns=ev.t_ns, request_id=ev.request_id, engine_id=m.engine_id,
+                             pp_rank=m.pp_rank, remote_fault=True,
+                             error=f"{m.engine_id} (pp {m.pp_rank}) does not answer: a cancelled read of it still ran "
+                                   f"{grace / 1e9:g} s later (cancel_grace_ns)"))
+
+
 def _ready_now(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     core.derive(EngineReady(source=Source.CORE, t_ns=ev.t_ns, request_id=ev.request_id,
                             engine_id=m.engine_id, pp_rank=m.pp_rank))
@@ -413,7 +431,9 @@ TABLE: Final[Table] = Table(
         on(S.CONNECTING, PeerDisconnected, _stale_loss_ignored, Go(S.FAILED, _lost_while_connecting)),
         on(S.CONNECTING, EvictRequested, Ignore("a handshake is in progress")),
         # CONNECTED.
-        on(S.CONNECTED, EngineWanted, Go(S.CONNECTED, _ready_now)),
+        on(S.CONNECTED, EngineWanted,
+           Go(S.CONNECTED, _refuse_stalled, when=_stalled, reason="stalled: a cancelled read of it has not stopped"),
+           Go(S.CONNECTED, _ready_now)),
         on(S.CONNECTED, _replies, Ignore("already connected: a stale reply")),
         on(S.CONNECTED, PeerDisconnected, _stale_loss_ignored, Go(S.DISCONNECTED, _lost)),
         on(

@@ -139,10 +139,10 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     hold_skew_ns: int = 5_000_000_000
     strict: bool = False
     # A read still running this long after its cancel says its peer no longer answers (a stopped
-    # process, a node gone without a reset): its connection is taken as lost, so later requests
-    # handshake again, and fail fast while the peer stays silent, instead of each pinning its
-    # blocks behind the hung reads. 0: never (a cancel is waited for however long it takes).
-    cancel_grace_ns: int = 1_000_000_000
+    # process, a node gone without a reset): later requests for that engine stage fail fast, each
+    # instead of pinning its blocks behind the hung reads, until a read of it stops. Longer than
+    # any transfer can take (NIXL's cancel waits for a READ in progress). 0: the read timeout.
+    cancel_grace_ns: int = 0
 
 
 class Event(msgspec.Struct, frozen=True, gc=False, tag=True, array_like=True):

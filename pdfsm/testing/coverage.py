@@ -79,8 +79,6 @@ def unreachable_reason(cell: Cell) -> str:
     if event in ("EngineReady", "EngineFailed") and machine == "consumer" and state != "HANDSHAKING":
         return ("engine news reaches a request only while it waits: it stops waiting (unwatches) as it ends, and "
                 "watches no engine past the first that fails it at once")
-    if (machine, state, event) == ("engine", "CONNECTED", "EngineWanted"):
-        return "a request asks only for engines that are not connected yet"
     if machine == "engine" and event == "PeerAdded" and state in ("CONNECTED", "DISCONNECTED"):
         return "a stale PeerAdded needs two peers added for one engine at once; AddPeer is carried out at once"
     return ""
