@@ -410,8 +410,8 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
-        if e.stalled:  # a read of it stopped: it answers again
-            e.stalled = False
+        if e.stalled and m.attempts == (e.attempt if len(m.engines) == 1 else _attempts(m, core)):
+            e.stalled = False  # a read over its current connection stopped: it answers again
         if not e.readers and (e.drop_owed or e.evict_owed):  # rare: the flags first, no call
             pay_drop(e, core)
             ask_owed_eviction(e, core, t_ns)

@@ -188,6 +188,10 @@ def _transfers_in_flight(m: RemoteEngine, ev: EvictRequested, core: Core) -> boo
     return m.readers > 0
 
 
+def _stalled_and_held(m: RemoteEngine, ev: EvictRequested, core: Core) -> bool:
+    return m.stalled and m.readers > 0
+
+
 # --- actions ----------------------------------------------------------------------------------
 
 
@@ -360,7 +364,15 @@ def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) ->
     core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
 
 
-def _lost(m: RemoteEngine, ev: PeerDisconnected, core: Core) -> None:
+def _let_stalled_go(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
+    """Evicting a stalled stage cannot wait for its readers: their reads may never stop (a
+    process stopped for good), and a replacement producer under the same engine id would be
+    refused until then. Taken as lost instead: the peer is dropped with the last reader, and
+    the next request handshakes the replacement now."""
+    _lost(m, ev, core)
+
+
+def _lost(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) -> None:
     """One rank's loss ends the stage's connection. Requests still reading it stop first: their
     cancelled reads end, then they notify the stage's live ranks, which needs the peer, so the
     drop waits for the last of them (pay_drop, from the consumer letting go)."""
@@ -439,6 +451,8 @@ TABLE: Final[Table] = Table(
         on(
             S.CONNECTED,
             EvictRequested,
+            Go(S.DISCONNECTED, _let_stalled_go, when=_stalled_and_held,
+               reason="stalled, and its reads may never stop: taken as lost, dropped with its last reader"),
             Go(S.CONNECTED, _owe_eviction, when=_transfers_in_flight,
                reason="a request still holds it (reading, or about to): evicted when the last one lets go"),
             Go(S.EVICTED, _evict),

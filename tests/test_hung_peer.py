@@ -10,7 +10,7 @@ from __future__ import annotations
 from helpers import SimPair
 
 from pdfsm.events import DeadlinePassed
-from transports.sim import ReadScript, SimTransport
+from transports.sim import ReadScript, SimTransport, pattern
 
 
 class DeafToCancels(SimTransport):
@@ -81,3 +81,28 @@ def test_a_cancel_that_lands_within_the_grace_leaves_the_connection_alone() -> N
     pair.d.load("d2", [7], pair.p.request_finished("p2", [3]))
     recv, _, failed = pair.run(6)
     assert recv == ["d2"] and not failed and e.attempt == attempt and e.state.name == "CONNECTED"
+
+
+def test_a_replacement_producer_under_the_same_engine_id_is_reached_while_the_old_one_stays_stalled() -> None:
+    """The old producer process is stopped for good (its hung read never stops) and a new one
+    comes up under the same engine id, host and port. Its params contradict the stalled
+    connection, whose eviction would wait for readers that never let go: every request for the
+    replacement was refused (found by review, also over real NIXL). A stalled stage asked to be
+    evicted is taken as lost instead: the first contradicting request fails, as any does, and
+    the next ones handshake the replacement and read from it."""
+    pair = SimPair(d_config=CONFIG, d_transport=DeafToCancels)
+    pair.net.script("d1", 0, 0, ReadScript(end="hang"))
+    pair.d.load("d1", [5, 6], pair.p.request_finished("p1", [1, 2]))
+    pair.run(40)
+    assert pair.d.core.engines[("P", 0)].stalled
+    pair.prod = SimTransport(pair.net, "P-new")  # the old agent is not killed: it stays hung
+    pair.prod.fill(range(64))
+    pair.p = pair._producer(pair.prod)
+    outcomes = []
+    for i in range(3):
+        pair.d.load(f"n{i}", [10 + i], pair.p.request_finished(f"q{i}", [10 + i]))
+        recv, _, failed = pair.run(30)
+        outcomes.append("failed" if failed else "received" if f"n{i}" in recv else "pending")
+    assert outcomes == ["failed", "received", "received"]
+    assert pair.cons.block(11) == pattern("P-new", 11, 64)
+    assert pair.d.core.consumers["d1"].state.name == "FAILING"  # still waiting for its own read

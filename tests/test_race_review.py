@@ -115,11 +115,10 @@ def test_a_table_that_ignores_the_trust_bound_is_found_within_the_race_hunt_budg
     assert not hunt(LATE, None, max_examples=200).found
 
 
-def test_cancelled_reads_outliving_the_grace_are_taken_as_a_lost_connection() -> None:
-    """CoreConfig.cancel_grace_ns came after the world: with 0 (the Scenario default) nothing is armed
-    while a request stops, so FAILING/ABORTING x DeadlinePassed were left unreached; the "cancelled
-    reads hang" default scenario reaches them, the core dropping the peer under reads it cancelled
-    (which the world allows: the request still waits for them) and no invariant breaking."""
+def test_cancelled_reads_outliving_the_grace_mark_their_engine_stalled() -> None:
+    """CoreConfig.cancel_grace_ns came after the world: the "cancelled reads hang" default scenario
+    makes cancelled reads outlive the grace, so FAILING/ABORTING x DeadlinePassed mark the stage
+    stalled, and no invariant breaks."""
     hits = explore_options({"hang": DEFAULT_SCENARIOS["cancelled reads hang"]}, 300)
     hung = {("consumer", state, "DeadlinePassed", f"-> {state} (hung) when hung reads connected")
             for state in ("FAILING", "ABORTING")}

@@ -50,7 +50,7 @@ DEFAULT_SCENARIOS: dict[str, Scenario] = {
                                      "handshake: D0 gets the answer for (P, pp 0) #2")),
     # A decode timer behind: reads end, and answers come, past a deadline not yet expired (the trust bound).
     "decode timer behind": Scenario(requests=2, producer_tp=2, faults=frozenset({"late-tick", "abort"})),
-    # Cancelled reads outliving cancel_grace_ns: their connection taken as lost while they still run.
+    # Cancelled reads outliving cancel_grace_ns: their engine stage marked stalled while they still run.
     "cancelled reads hang": Scenario(requests=2, producer_tp=2, cancel_grace_ns=10),
 }
 """Shapes the CI profile explores; together they reach every reachable cell (tests/test_race.py)."""

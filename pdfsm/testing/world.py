@@ -140,8 +140,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     handshake_retry_ns: int = 10  # the pause after a failed handshake before the next request retries
     tombstone_ns: int = 0  # the cores' tombstone_ns (0: their default); idle engines go after max(it, retry)
     idle_engine_ns: int = 150  # a connected engine unread this long is evicted (0: never)
-    # A read still running this long after its cancel takes its connection as lost (CoreConfig's;
-    # 0: never, the default here, so the default searches stay as they were before it came).
+    # A read still running this long after its cancel marks its engine stage stalled (CoreConfig's;
+    # 0: the read timeout).
     cancel_grace_ns: int = 0
     prefix: tuple[str, ...] = ()  # choices made first, by name, to start exploring from a deep point
     max_steps: int = 40
@@ -793,8 +793,8 @@ class World:
         rank = int(name[1:])
         on_it = [(k, r) for k, r in self.reads.items() if k[0] == rank and k[2] == cmd.pp_rank
                  and r.cmd.engine_id == cmd.engine_id and not r.lost]
-        # Reads cancelled and still running (a connection taken as lost after cancel_grace_ns) are
-        # the core's to wait for; they end DISCONNECTED once their peer is dropped. A read not
+        # Reads cancelled and still running (a stalled stage taken as lost when a replacement's
+        # params contradict it) are the core's to wait for; they end DISCONNECTED once dropped. A read not
         # cancelled would write blocks nobody watches: after a disconnect the transport defers that
         # drop (and reads on a lost connection end anyway).
         in_flight = [k for k, r in on_it if not r.cancelled]
