@@ -462,6 +462,9 @@ class Connector:
         now, cfg = self._clock(), self.config
         lease = cfg.lease_ns if lease_ns is None else lease_ns
         if issued_wall_ns is None and cfg.tp_size * cfg.pp_size > 1:
+            if not cfg.hold_skew_ns:  # nothing bounds how much earlier this rank held than the minting one
+                raise InvalidInput("issued_wall_ns", "required from every rank of a producer with several ranks "
+                                                     "when CoreConfig.hold_skew_ns is 0: one stamp for the hold")
             # Self-stamped: the params a consumer counts the lease from may be another rank's,
             # minted up to hold_skew_ns after this call. Held that much longer, this rank's blocks
             # outlive every read the consumer still trusts (found by review: a rank that held

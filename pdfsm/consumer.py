@@ -80,7 +80,7 @@ class ConsumerRequest:
     """A decode-side request. Its parameters are the event that created it (``req``); the
     rest is what changes, and only the owner thread, through the table, changes it."""
 
-    __slots__ = ("attempts", "deadline", "done", "engines", "error", "outcome", "pending", "plan",
+    __slots__ = ("attempts", "deadline", "done", "engines", "error", "held_at", "outcome", "pending", "plan",
                  "remote_fault", "req", "request_id", "state", "trust", "waited", "waiting")
 
     def __init__(self, request_id: str) -> None:
@@ -89,6 +89,7 @@ class ConsumerRequest:
         self.req: ReadRequested | None = None
         self.plan: ReadPlan | None = None
         self.engines: tuple[RemoteEngine, ...] = ()  # engines held: ready for it, or read from
+        self.held_at: tuple[int, ...] = ()  # each held engine's attempt when held (empty: the fast path's one)
         self.attempts = 0  # the plan's engines' handshake attempts, summed, when its reads were posted
         self.waiting = 0  # bit p: still waiting for remote engine (engine_id, p)
         self.waited = 0  # bit p: did wait for it (news from it may still be on its way)
@@ -401,6 +402,7 @@ def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
     """Keep ``e`` from being evicted while this request may still read from it."""
     if e not in m.engines:
         m.engines = (*m.engines, e)
+        m.held_at = (*m.held_at, e.attempt)
         e.readers += 1
 
 
@@ -410,12 +412,12 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
-        if e.stalled and m.attempts == (e.attempt if len(m.engines) == 1 else _attempts(m, core)):
-            e.stalled = False  # a read over its current connection stopped: it answers again
+        if e.stalled and (m.held_at[m.engines.index(e)] if m.held_at else m.attempts) == e.attempt:
+            e.stalled = False  # a reader of the connection that stalled let go: it answers again
         if not e.readers and (e.drop_owed or e.evict_owed):  # rare: the flags first, no call
             pay_drop(e, core)
             ask_owed_eviction(e, core, t_ns)
-    m.engines = ()
+    m.engines = m.held_at = ()
 
 
 def _stop_waiting(m: ConsumerRequest, core: Core, t_ns: int) -> None:
@@ -842,12 +844,22 @@ def _cancel_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
 
 
 def _hung_reads_connected(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> bool:
-    """Reads still in flight a grace after their cancel, over the connections they were posted on
-    (no engine of the plan handshaken again since), one of them still taken as live."""
-    if m.plan is None or m.req is None or m.attempts != _attempts(m, core):
-        return False
-    return any(core.engine_connected((m.req.engine_id, pp)) and not core.engines[(m.req.engine_id, pp)].stalled
-               for pp in _hung_stages(m))
+    """Reads still in flight a grace after their cancel, over a connection still live (the one
+    they were posted on: not handshaken again since) and not yet marked stalled."""
+    return bool(_hung_engines(m, core))
+
+
+def _hung_engines(m: ConsumerRequest, core: Core) -> list[RemoteEngine]:
+    if m.plan is None or m.req is None:
+        return []
+    hung, eid = [], m.req.engine_id
+    for pp in _hung_stages(m):
+        e = core.engines.get((eid, pp))
+        if e is None or e.state is not CONNECTED or e.stalled or e not in m.engines:
+            continue
+        if (m.held_at[m.engines.index(e)] if m.held_at else m.attempts) == e.attempt:
+            hung.append(e)
+    return hung
 
 
 def _hung_stages(m: ConsumerRequest) -> list[int]:
@@ -859,17 +871,13 @@ def _hung(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:
     """The peer no longer answers: a cancelled read did not stop within the grace (SGLang PR
     10222: a dead prefill's rooms must fail; TRT-LLM PR 12313: blocks leaked until the pool ran
     out). Its stage is marked stalled: new requests for it fail fast with their policy (the engine
-    table) instead of pinning their blocks behind the hung reads, until a read of it stops (a
-    reader lets go). The connection is kept: reads still running on it finish, and notices
-    still go out over it, once the peer answers again. This request still waits for its own
-    reads to stop before it is reported."""
+    table) instead of pinning their blocks behind the hung reads, until a reader of that
+    connection lets go (a read of it stopped). The connection is kept: reads still running on it
+    finish, and notices still go out over it, once the peer answers again. This request still
+    waits for its own reads to stop before it is reported."""
     m.deadline = None
-    assert m.req is not None
-    eid = m.req.engine_id
-    for pp in _hung_stages(m):
-        e = core.engines[(eid, pp)]
-        if e.state is CONNECTED:
-            e.stalled = True
+    for e in _hung_engines(m, core):
+        e.stalled = True
 
 
 def _hang_watched(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,8 +180,9 @@ def run(args: argparse.Namespace) -> int:
             rid = f"req-{started}"
             p_blocks = [free_p.pop(rng.randrange(len(free_p))) for _ in range(n)]
             params = KVTransferParams(remote_engine_id="", remote_request_id="")
+            stamp = time.time_ns()  # the scheduler's one stamp: every rank's hold is the same hold
             for w in prefill.workers:  # every producer rank holds its part of the blocks
-                params = w.request_finished(rid, p_blocks)
+                params = w.request_finished(rid, p_blocks, issued_wall_ns=stamp)
             sending[rid] = (p_blocks, set(range(prefill.tp)))
             d_blocks = [free_d.pop(rng.randrange(len(free_d))) for _ in range(n)]
             for w in decode.workers:

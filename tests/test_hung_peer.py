@@ -7,9 +7,10 @@ cancel lose its connection: it is only marked stalled, until a read of it stops.
 
 from __future__ import annotations
 
-from helpers import SimPair
+from helpers import RankedEngines, SimPair
 
-from pdfsm.events import DeadlinePassed
+from pdfsm.connector import KVTransferParams
+from pdfsm.events import DeadlinePassed, PeerDisconnected, Source
 from transports.sim import ReadScript, SimTransport, pattern
 
 
@@ -106,3 +107,52 @@ def test_a_replacement_producer_under_the_same_engine_id_is_reached_while_the_ol
     assert outcomes == ["failed", "received", "received"]
     assert pair.cons.block(11) == pattern("P-new", 11, 64)
     assert pair.d.core.consumers["d1"].state.name == "FAILING"  # still waiting for its own read
+
+
+def test_with_pp_the_stall_clears_when_its_own_connection_answers_though_another_stage_reconnected() -> None:
+    """Producer PP 2: A's read of stage 1 hangs (stage 1 stalled); stage 0 is lost and handshaken
+    again meanwhile. When the peer answers and A lets go, stage 1 was left stalled (its clearing
+    compared the attempts of every stage, summed): every request failed fast for an idle hour
+    (found by review). Each held stage's own attempt is compared now."""
+    e = RankedEngines(1, 1, p_pp=2, d_config=CONFIG)
+    d, dt = e.d[(0, 0)], e.dt[(0, 0)]
+    deaf = [True]
+
+    def cancel(rid: str, pp: int, tp: int) -> None:
+        if not deaf[0]:
+            SimTransport.cancel_read(dt, rid, pp, tp)
+
+    dt.cancel_read = cancel  # type: ignore[method-assign,assignment]
+
+    def hold(rid: str, blocks: list[int]) -> KVTransferParams:
+        stamp = e.wall_clock(0)
+        minted = {k: c.request_finished(rid, blocks, issued_wall_ns=stamp) for k, c in e.p.items()}
+        return minted[(0, 0)]
+
+    failed: dict[str, str] = {}
+
+    def steps(n: int) -> list[str]:
+        out: list[str] = []
+        for _ in range(n):
+            e.now += US
+            for c in e.p.values():
+                c.get_finished()
+            out += sorted(d.get_finished()[1])
+            failed.update({f.request_id: f.reason for f in d.last.failed})
+        return out
+
+    e.now = 10**12
+    e.net.script("A", 1, 0, ReadScript(end="hang"))
+    d.load("A", [5, 6], hold("pa", [1, 2]))
+    steps(40)
+    s0, s1 = d.core.engines[("P", 0)], d.core.engines[("P", 1)]
+    assert s1.stalled and not s0.stalled
+    d.core.submit(PeerDisconnected(source=Source.TRANSFER, t_ns=e.now, engine_id="P", pp_rank=0,
+                                   attempt=s0.attempt, detail="link flap"))
+    d.load("B", [7, 8], hold("pb", [3, 4]))
+    assert steps(10) == ["B"] and "does not answer" in failed["B"] and s0.attempt == 2
+    deaf[0] = False
+    dt.cancel_read("A", 1, 0)
+    assert steps(10) == ["A"] and not s1.stalled
+    d.load("C", [10], hold("pc", [10]))
+    assert steps(10) == ["C"] and "C" not in failed

@@ -361,3 +361,16 @@ def test_a_rank_that_holds_before_the_minting_rank_keeps_its_blocks_while_reads_
         assert all(e.dt[(0, 0)].block(lb)[half:] == pattern("P0.1", rb, tr1.block_bytes)
                    for lb, rb in ((10, 3), (11, 4)))
     assert not [r for r in p1.core.log.records() if r.fault]  # no notice after its lease
+
+
+def test_a_multi_rank_producer_with_hold_skew_off_needs_one_stamp_for_every_ranks_hold() -> None:
+    """hold_skew_ns=0 ("not checked") left the lag between ranks' self-stamped holds unbounded,
+    so no extension could keep an earlier rank's blocks past the consumer's trust (found by
+    review: received with another request's bytes). Such a hold is refused by name; with the
+    scheduler's one stamp it is accepted."""
+    e = RankedEngines(2, 1, p_config={"hold_skew_ns": 0})
+    p1 = e.p[(0, 1)]
+    with pytest.raises(InvalidInput) as exc:
+        p1.request_finished("r", [3, 4])
+    assert exc.value.field == "issued_wall_ns" and not p1.core.producers
+    p1.request_finished("r", [3, 4], issued_wall_ns=123)

@@ -134,8 +134,8 @@ class TPWorld:
 
     def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
         """Every producer rank holds the request; the router gets rank 0's params."""
-        got = {tp: c.request_finished(rid, blocks) for tp, c in self.p.items()}
-        return got[0]
+        got = {tp: c.request_finished(rid, blocks, issued_wall_ns=self.wall) for tp, c in self.p.items()}
+        return got[0]  # one stamp for every rank's hold: required with hold_skew_ns 0
 
     def run(self, steps: int = 5) -> tuple[list[str], list[HandOff]]:
         recv: list[str] = []
