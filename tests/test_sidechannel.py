@@ -419,7 +419,7 @@ def test_silent_server_fails_within_the_deadline() -> None:
     try:
         t0 = time.monotonic()
         hs.start(cmd(fake.port))
-        assert time.monotonic() - t0 < 0.25  # start never blocks (the deadline is 0.5 s)
+        assert time.monotonic() - t0 < 0.45  # start never blocks (the deadline is 0.5 s)
         ev = inbox.get()
         elapsed = time.monotonic() - t0
     finally:

@@ -198,7 +198,7 @@ def test_cancel_before_the_copy(slow: Pair) -> None:
     slow.d.cancel_read("r", 0, 0)
     (ev,) = slow.wait()
     assert isinstance(ev, HandleFailed) and ev.why is HandleFailure.CANCELLED
-    assert time.monotonic() - t0 < 0.15  # the cancel woke the waiting worker
+    assert time.monotonic() - t0 < 0.19  # the cancel woke the waiting worker (its copy waits 0.2 s)
     assert not slow.d_kv[0].any()  # nothing was copied
     slow.p.progress()
     assert slow.p_events == []  # and the producer was not told it was read
