@@ -345,11 +345,12 @@ def _other_engines_pending(m: ConsumerRequest, ev: EngineReady, core: Core) -> b
 
 
 def _held_engine_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
-    """An engine of the plan, other than the one now ready, is no longer connected."""
+    """An engine of the plan, other than the one now ready, is no longer connected, or stalled."""
     if m.plan is None or m.req is None or len(m.plan.pp_ranks) == 1:
         return False
-    eid = m.req.engine_id
-    return not all(core.engine_connected((eid, pp)) for pp in m.plan.pp_ranks if pp != ev.pp_rank)
+    eid, engines = m.req.engine_id, core.engines
+    return not all(core.engine_connected((eid, pp)) and not engines[(eid, pp)].stalled
+                   for pp in m.plan.pp_ranks if pp != ev.pp_rank)
 
 
 def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:
@@ -402,7 +403,7 @@ def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
     """Keep ``e`` from being evicted while this request may still read from it."""
     if e not in m.engines:
         m.engines = (*m.engines, e)
-        m.held_at = (*m.held_at, e.attempt)
+        m.held_at = (*m.held_at, 0)  # held, nothing read yet: set as its reads are posted
         e.readers += 1
 
 
@@ -450,6 +451,7 @@ def _post_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
             e = engines[(eid, pp)]
             _hold(m, e)
             e.idle_since = max(e.idle_since, t_ns)
+        m.held_at = tuple(e.attempt for e in m.engines)  # the connections the reads go over
         m.attempts = _attempts(m, core)
 
 

@@ -7,10 +7,20 @@ cancel lose its connection: it is only marked stalled, until a read of it stops.
 
 from __future__ import annotations
 
-from helpers import RankedEngines, SimPair
+import pytest
+from helpers import RankedEngines, SimPair, ev, make_core, read, reply, tick
 
 from pdfsm.connector import KVTransferParams
-from pdfsm.events import DeadlinePassed, PeerDisconnected, Source
+from pdfsm.events import (
+    AbortRequested,
+    DeadlinePassed,
+    HandleDone,
+    HandshakeDone,
+    HandshakeFailed,
+    PeerAdded,
+    PeerDisconnected,
+    Source,
+)
 from transports.sim import ReadScript, SimTransport, pattern
 
 
@@ -156,3 +166,33 @@ def test_with_pp_the_stall_clears_when_its_own_connection_answers_though_another
     assert steps(10) == ["A"] and not s1.stalled
     d.load("C", [10], hold("pc", [10]))
     assert steps(10) == ["C"] and "C" not in failed
+
+
+@pytest.mark.parametrize("how", ["abort", "handshake-failed"])
+def test_a_request_that_only_held_a_stalled_stage_does_not_clear_it(how: str) -> None:
+    """Producer PP 2: X's read of stage 0 hangs (stage 0 stalled); A holds stage 0 while stage 1
+    handshakes, posting nothing, and stops. A's let-go cleared the stall (its hold-time attempt
+    matched) while X's read still hung, and the next request read into the silence (found by
+    review). Only a reader of that connection clears it now."""
+    core = make_core(read_timeout_ns=50 * US, cancel_grace_ns=5 * US)
+    t = 1_000
+    core.apply(read("X", remote_pp=2, t=t))
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=pp, attempt=1,
+                      reply=reply("P", pp_rank=pp, pp_size=2)))
+        core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=pp, attempt=1))
+    core.apply(ev(HandleDone, t, request_id="X", pp_rank=1, tp_rank=0))
+    core.apply(ev(PeerDisconnected, t + 1, engine_id="P", pp_rank=1, attempt=1, detail="flap"))
+    core.apply(read("A", remote_pp=2, blocks=(3, 4), t=t + 2))  # holds stage 0, waits for stage 1
+    core.apply(ev(AbortRequested, t + 3, request_id="X"))
+    tick(core, t + 20 * US)
+    stage0 = core.engines[("P", 0)]
+    assert stage0.stalled and core.consumers["A"].state.name == "HANDSHAKING"
+    if how == "abort":
+        core.apply(ev(AbortRequested, t + 21 * US, request_id="A"))
+    else:
+        core.apply(ev(HandshakeFailed, t + 21 * US, engine_id="P", pp_rank=1,
+                      attempt=core.engines[("P", 1)].attempt, error="refused"))
+    assert stage0.stalled  # X's read still hangs
+    core.apply(read("B", remote_pp=2, blocks=(5, 6), t=t + 22 * US))
+    assert core.consumers["B"].state.name == "FAILED" and "does not answer" in core.consumers["B"].error
