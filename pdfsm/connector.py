@@ -43,8 +43,8 @@ from pdfsm.commands import (
     SendNotification,
     StartHandshake,
 )
-from pdfsm.consumer import STOPPING, disagreement
 from pdfsm.consumer import S as ConsumerStates
+from pdfsm.consumer import cancel_pending, disagreement
 from pdfsm.core import Core
 from pdfsm.errors import ConnectorClosed, InvalidInput, OwnerError
 from pdfsm.events import (
@@ -865,11 +865,7 @@ class Connector:
     def _retry_cancels(self) -> None:
         for handle, (_, due) in list(self._recancel.items()):
             m = self.core.consumers.get(handle[0])
-            plan = None if m is None else m.plan
-            live = plan is not None and m is not None and m.state in STOPPING and any(
-                (m.pending >> i) & 1 and (src.pp_rank, src.tp_rank) == handle[1:]
-                for i, src in enumerate(plan.sources))
-            if not live:
+            if m is None or not cancel_pending(m, handle[1], handle[2]):
                 del self._recancel[handle]
             elif due <= self._round:
                 self._cancel(handle)

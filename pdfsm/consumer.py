@@ -144,7 +144,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     if (ev.remote_tp, 1) not in core.plans:  # the first request of a layout takes the long road
         return False
     e = core.engines.get((ev.engine_id, 0))
-    if e is None or e.state is not CONNECTED or e.stalled:
+    if e is None or e.state is not CONNECTED or e.stalled:  # e.usable, spelt out: the hot path
         return False
     return e.reply is not None and _contradiction(e, ev, 0, core.config.hold_skew_ns) is None
 
@@ -317,11 +317,8 @@ def _disagrees_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core:
 def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """A stage not connected, or stalled: the engine table decides (handshake, or fail fast)."""
     engines, eid = core.engines, ev.engine_id
-    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
-        e = engines.get((eid, pp))
-        if e is None or e.state is not CONNECTED or e.stalled:
-            return True
-    return False
+    return not all((e := engines.get((eid, pp))) is not None and e.usable
+                   for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks)
 
 
 def _nothing_to_read(m: ConsumerRequest, ev: object, core: Core) -> bool:
@@ -349,7 +346,7 @@ def _held_engine_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     if m.plan is None or m.req is None or len(m.plan.pp_ranks) == 1:
         return False
     eid, engines = m.req.engine_id, core.engines
-    return not all(core.engine_connected((eid, pp)) and not engines[(eid, pp)].stalled
+    return not all((e := engines.get((eid, pp))) is not None and e.usable
                    for pp in m.plan.pp_ranks if pp != ev.pp_rank)
 
 
@@ -407,13 +404,18 @@ def _hold(m: ConsumerRequest, e: RemoteEngine) -> None:
         e.readers += 1
 
 
+def _read_over(m: ConsumerRequest, e: RemoteEngine) -> int:
+    """The attempt of ``e``'s connection this request read over (0: held, nothing posted)."""
+    return m.held_at[m.engines.index(e)] if m.held_at else m.attempts  # empty: the fast path's one engine
+
+
 def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     """Release the engines held; a lost one's peer goes with its last reader, and so does one
     whose eviction was asked meanwhile. Callers notify first: the notification to a lost stage's
     live ranks needs that peer."""
     for e in m.engines:
         e.readers -= 1
-        if e.stalled and (m.held_at[m.engines.index(e)] if m.held_at else m.attempts) == e.attempt:
+        if e.stalled and _read_over(m, e) == e.attempt:
             e.stalled = False  # a reader of the connection that stalled let go: it answers again
         if not e.readers and (e.drop_owed or e.evict_owed):  # rare: the flags first, no call
             pay_drop(e, core)
@@ -491,7 +493,7 @@ def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns:
     for pp in m.plan.pp_ranks:
         key = (req.engine_id, pp)
         e = core.engines.get(key)
-        if e is not None and e.state is CONNECTED and not e.stalled:
+        if e is not None and e.usable:
             _hold(m, e)
         elif not (m.waiting >> pp) & 1:  # the engine table decides: handshake, or fail fast
             m.waiting |= 1 << pp
@@ -833,6 +835,15 @@ def _read_done(m: ConsumerRequest, ev: HandleDone, core: Core) -> None:
     core.ready(m)
 
 
+def cancel_pending(m: ConsumerRequest, pp_rank: int, tp_rank: int) -> bool:
+    """The request is stopping and its read from rank (pp_rank, tp_rank) has not stopped: a
+    cancel of it is still wanted (an adapter retrying one that raised asks)."""
+    plan = m.plan
+    return plan is not None and m.state in STOPPING and any(
+        (m.pending >> i) & 1 and src.pp_rank == pp_rank and src.tp_rank == tp_rank
+        for i, src in enumerate(plan.sources))
+
+
 def _cancel_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     """Cancel the reads in flight, and watch them stop: the request's timer now fires
     ``cancel_grace_ns`` on (its read deadline no longer matters: it is stopping)."""
@@ -852,21 +863,14 @@ def _hung_reads_connected(m: ConsumerRequest, ev: DeadlinePassed, core: Core) ->
 
 
 def _hung_engines(m: ConsumerRequest, core: Core) -> list[RemoteEngine]:
+    """The usable stages a cancelled read of this request still runs on, over the connection it
+    was posted on."""
     if m.plan is None or m.req is None:
         return []
-    hung, eid = [], m.req.engine_id
-    for pp in _hung_stages(m):
-        e = core.engines.get((eid, pp))
-        if e is None or e.state is not CONNECTED or e.stalled or e not in m.engines:
-            continue
-        if (m.held_at[m.engines.index(e)] if m.held_at else m.attempts) == e.attempt:
-            hung.append(e)
-    return hung
-
-
-def _hung_stages(m: ConsumerRequest) -> list[int]:
-    assert m.plan is not None
-    return sorted({src.pp_rank for i, src in enumerate(m.plan.sources) if (m.pending >> i) & 1})
+    eid = m.req.engine_id
+    stages = sorted({src.pp_rank for i, src in enumerate(m.plan.sources) if (m.pending >> i) & 1})
+    return [e for pp in stages if (e := core.engines.get((eid, pp))) is not None and e.usable
+            and e in m.engines and _read_over(m, e) == e.attempt]
 
 
 def _hung(m: ConsumerRequest, ev: DeadlinePassed, core: Core) -> None:

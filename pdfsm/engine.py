@@ -129,6 +129,11 @@ class RemoteEngine:
     def key(self) -> tuple[str, int]:
         return (self.engine_id, self.pp_rank)
 
+    @property
+    def usable(self) -> bool:
+        """Connected, and not stalled: a request may read from it now (else the table decides)."""
+        return self.state is S.CONNECTED and not self.stalled
+
 
 def validate_reply(m: RemoteEngine, reply: HandshakeReply, core: Core) -> HandshakeError | None:
     """The first problem with a handshake reply, in the documented order, or None."""
@@ -364,14 +369,6 @@ def _drop(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) ->
     core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
 
 
-def _let_stalled_go(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
-    """Evicting a stalled stage cannot wait for its readers: their reads may never stop (a
-    process stopped for good), and a replacement producer under the same engine id would be
-    refused until then. Taken as lost instead: the peer is dropped with the last reader, and
-    the next request handshakes the replacement now."""
-    _lost(m, ev, core)
-
-
 def _lost(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) -> None:
     """One rank's loss ends the stage's connection. Requests still reading it stop first: their
     cancelled reads end, then they notify the stage's live ranks, which needs the peer, so the
@@ -451,7 +448,9 @@ TABLE: Final[Table] = Table(
         on(
             S.CONNECTED,
             EvictRequested,
-            Go(S.DISCONNECTED, _let_stalled_go, when=_stalled_and_held,
+            # A stalled stage's readers may never let go (a process stopped for good): owing the
+            # eviction to them would lock a replacement under the same engine id out.
+            Go(S.DISCONNECTED, _lost, when=_stalled_and_held,
                reason="stalled, and its reads may never stop: taken as lost, dropped with its last reader"),
             Go(S.CONNECTED, _owe_eviction, when=_transfers_in_flight,
                reason="a request still holds it (reading, or about to): evicted when the last one lets go"),
