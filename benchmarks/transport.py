@@ -46,7 +46,10 @@ Bytes are verified once per case before timing.
 best copy_ of the run, ``copy_gib_s``), ``prepped_vs_descs_median``, per-case
 figures (``cases``) and the cost of setting a read up in each mode (``setup_cost``).
 
-    PYTHONPATH=$PWD python benchmarks/transport.py [--json]
+``--kv-device cuda`` puts both processes' tensors on the GPU (NIXL VRAM; ``copy_`` is then
+device to device, synchronised before the clock stops).
+
+    PYTHONPATH=$PWD python benchmarks/transport.py [--json] [--kv-device cuda]
 """
 
 from __future__ import annotations
@@ -99,12 +102,18 @@ def quiet() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
-def kv(regions: int, blocks: int, block_bytes: int, seed: int) -> list[torch.Tensor]:
+def kv(regions: int, blocks: int, block_bytes: int, seed: int, device: str) -> list[torch.Tensor]:
     out = []
     for k in range(regions):
         gen = torch.Generator().manual_seed(seed * 1000 + k)
-        out.append(torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen))
+        out.append(torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen).to(device))
     return out
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work (a CUDA copy_ returns before it is done)."""
+    if device != "cpu":
+        torch.cuda.synchronize(device)
 
 
 # --- the producer process ------------------------------------------------------------------------
@@ -115,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     transports = []
     for bs in args.sizes:
         blocks = args.total // (bs * args.regions)
-        t = NixlTransport(f"bench-P-{bs}-{os.getpid()}", kv(args.regions, blocks, bs, seed=bs),
+        t = NixlTransport(f"bench-P-{bs}-{os.getpid()}", kv(args.regions, blocks, bs, seed=bs, device=args.kv_device),
                           backend_params=args.params)
         notes = [0]
 
@@ -153,8 +162,9 @@ class Case:
         self.regions = args.regions
         self.blocks = args.total // (bs * args.regions)
         self.nbytes = self.blocks * bs * args.regions
-        self.expected = kv(args.regions, self.blocks, bs, seed=bs)  # what the producer holds
-        self.dst = [torch.zeros(self.blocks, bs, dtype=torch.uint8) for _ in range(args.regions)]
+        self.device = args.kv_device
+        self.expected = kv(args.regions, self.blocks, bs, seed=bs, device=self.device)  # what the producer holds
+        self.dst = [torch.zeros(self.blocks, bs, dtype=torch.uint8, device=self.device) for _ in range(args.regions)]
         self.transport = NixlTransport(f"bench-D-{bs}-{os.getpid()}-{next(_agents)}", self.dst,
                                        num_threads=args.num_threads, backend_params=args.params,
                                        progress_thread=not args.no_progress_thread)
@@ -195,7 +205,8 @@ class Case:
 
     def verify(self, table: str) -> None:
         local, remote = self.tables[table]
-        li, ri = torch.tensor(local), torch.tensor(remote)
+        sync(self.device)  # NIXL writes VRAM behind the stream's back
+        li, ri = torch.tensor(local, device=self.device), torch.tensor(remote, device=self.device)
         for k in range(self.regions):
             if not torch.equal(self.dst[k][li], self.expected[k][ri]):
                 raise RuntimeError(f"{self.bs}-byte blocks, {table}: bytes differ in region {k}")
@@ -211,8 +222,9 @@ class Raw:
         t = case.transport
         self.agent = t.agent
         peer = t.peers[(case.engine, 0)][0]
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _all_blocks(t.regions, 1, 0), "DRAM")
-        self.remote = self.agent.prep_xfer_dlist(peer.agent, _all_blocks(peer.regions, 1, 0), "DRAM")
+        self.kind = t.kind
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _all_blocks(t.regions, 1, 0), t.kind)
+        self.remote = self.agent.prep_xfer_dlist(peer.agent, _all_blocks(peer.regions, 1, 0), peer.kind)
         self.note = notify_codec.encode(Notification("bench", 0, 1))  # what pdfsm sends
         self.idx = {}
         self.descs = {}
@@ -240,8 +252,8 @@ class Raw:
         dl, dr = self.descs[table]
         agent = self.agent
         t0 = time.perf_counter()
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(dl, "DRAM"), agent.get_xfer_descs(dr, "DRAM"),
-                                       self.case.peer, self.note)
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(dl, self.kind),
+                                       agent.get_xfer_descs(dr, self.kind), self.case.peer, self.note)
         self._wait(handle)
         return time.perf_counter() - t0
 
@@ -255,6 +267,7 @@ def copy_time(case: Case, threads: int = 0) -> float:
         t0 = time.perf_counter()
         for dst, src in zip(case.dst, case.expected, strict=True):
             dst.copy_(src)
+        sync(case.device)
         return time.perf_counter() - t0
     finally:
         torch.set_num_threads(saved)
@@ -278,7 +291,7 @@ def setup_costs(case: Case, raw: Raw, reps: int = 25) -> dict[str, Any]:
                 agent.make_prepped_xfer("READ", raw.local, li, raw.remote, ri, raw.note).release()
                 t1 = time.perf_counter()
                 dl, dr = read_descs(local, remote, case.transport.regions, peer.regions)
-                agent.initialize_xfer("READ", agent.get_xfer_descs(dl, "DRAM"), agent.get_xfer_descs(dr, "DRAM"),
+                agent.initialize_xfer("READ", agent.get_xfer_descs(dl, raw.kind), agent.get_xfer_descs(dr, raw.kind),
                                       case.peer, raw.note).release()
                 t2 = time.perf_counter()
                 costs["prepped"].append(t1 - t0)
@@ -320,7 +333,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, __file__, "--serve", "--total-mib", str(args.total_mib), "--regions", str(args.regions),
-           "--sizes", ",".join(map(str, args.sizes)), *(f"--backend-param={k}={v}" for k, v in args.params.items())]
+           "--sizes", ",".join(map(str, args.sizes)), "--kv-device", args.kv_device,
+           *(f"--backend-param={k}={v}" for k, v in args.params.items())]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert server.stdout is not None and server.stdin is not None
     infos: dict[int, RankInfo] = {}
@@ -381,7 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prepped_vs_descs_median": statistics.median(
             r["best_gib_s"]["pdfsm"] / r["best_gib_s"]["pdfsm_descs"] for r in results),
         "setup": {"processes": 2, "regions": args.regions, "bytes_per_read": args.total, "reps": args.reps,
-                  "torch_threads": torch.get_num_threads(),
+                  "torch_threads": torch.get_num_threads(), "kv_device": args.kv_device,
                   "statistic": "GiB/s: best of rounds (medians alongside); pdfsm/raw: median of back-to-back pairs",
                   "ucx_tls": os.environ.get("UCX_TLS", "default"),
                   "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
@@ -419,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a UCX backend parameter for both processes' agents (e.g. split_batch_size=1)")
     ap.add_argument("--no-progress-thread", action="store_true",
                     help="the reading agent without NIXL's progress thread (the owner's polls progress it)")
+    ap.add_argument("--kv-device", default="cpu",
+                    help="where both processes' KV tensors live: cpu (NIXL DRAM, default) or cuda[:N] (VRAM; "
+                         "copy_ is then device to device)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
@@ -427,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         return serve(args)
     if not args.json:
-        print(f"pdfsm over NIXL vs raw NIXL vs copy_: 2 processes, {args.regions} regions, "
+        print(f"pdfsm over NIXL vs raw NIXL vs copy_: 2 processes, {args.kv_device}, {args.regions} regions, "
               f"{args.total_mib} MiB per read, {args.reps} reps", flush=True)
         print(header(), flush=True)
     out = run(args)

@@ -88,7 +88,7 @@ def test_fresh_reply_refused_because_of_another_agents_draining_read(monkeypatch
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
 def test_transports_built_on_two_threads_both_listen_on_loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """ucx_devices="lo" (the default) must hold for every transport, whichever thread builds it.
-    _net_devices (transports/nixl.py) sets the process-wide UCX_NET_DEVICES around backend
+    _ucx_env (transports/nixl.py) sets the process-wide UCX_NET_DEVICES around backend
     creation and pops it afterwards, with no lock, and treats a variable it finds as the user's.
     Two transports built at once on two threads (each thread then owns its transport, as the
     threading rule allows): the second finds the first one's temporary "lo", leaves it alone,
@@ -102,8 +102,8 @@ def test_transports_built_on_two_threads_both_listen_on_loopback_only(monkeypatc
 
     def create_backend(self: Any, backend: str, init: dict[str, str] | None = None) -> Any:
         if threading.current_thread().name == "second":
-            second_inside.set()  # past _net_devices, which found the first one's "lo"
-            first_built.wait(10)  # the first transport is built: its _net_devices popped the variable
+            second_inside.set()  # past _ucx_env, which found the first one's "lo"
+            first_built.wait(10)  # the first transport is built: its _ucx_env popped the variable
             seen["second"] = os.environ.get("UCX_NET_DEVICES")  # what UCX reads as it creates the backend
             return real(self, backend, init or {})
         out = real(self, backend, init or {})

@@ -303,7 +303,9 @@ class NixlTransport:
         the side channel; name the devices that reach the peers on a multi-host deployment. ``""``
         and ``"all"`` (every interface) are refused. A ``UCX_NET_DEVICES`` already in the
         environment wins, unless it is one of those (refused too). NIXL's listen thread, which
-        would bind its metadata port on every interface, is never started.
+        would bind its metadata port on every interface, is never started. With CUDA tensors
+        the backends are created with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` unless the environment
+        says otherwise: without it UCX reads VRAM over TCP on GPUs that have no NVLink.
 
         ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
         ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
@@ -330,7 +332,7 @@ class NixlTransport:
         self.capabilities = Capabilities(name="nixl", thread_bound=True, supports_pp=supports_pp,
                                          memory_kinds=kinds,
                                          num_blocks=self.regions[0].num_blocks if self.regions else 0)
-        with _net_devices(ucx_devices):
+        with _ucx_env(ucx_devices, self.kind):
             self.agent = _make_agent(self._api, agent_name, progress_thread=progress_thread,
                                      delay_us=progress_delay_us, backends=list(backends), num_threads=num_threads,
                                      params=dict(backend_params or {}))
@@ -860,25 +862,34 @@ def _every_interface(devices: str) -> bool:
 
 
 @contextmanager
-def _net_devices(devices: str) -> Iterator[None]:
-    """``UCX_NET_DEVICES`` for the backends created inside (UCX reads it when a backend creates
-    its context), unless the environment already says. NIXL's own ``ucx_devices`` parameter
-    left UCX listening on every interface here."""
+def _ucx_env(devices: str, kind: MemKind) -> Iterator[None]:
+    """UCX's settings for the backends created inside (UCX reads its environment when a backend
+    creates its context); a variable the environment already sets wins.
+
+    - ``UCX_NET_DEVICES``: the devices UCX may open sockets on. NIXL's own ``ucx_devices``
+      parameter left UCX listening on every interface here; every interface is refused.
+    - ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` for VRAM: UCX turns reads over CUDA IPC off on GPUs
+      without NVLink, and a READ between two processes on one H100 then went by software
+      emulation over TCP on loopback at 0.5 GiB/s, against 320 GiB/s with it on (NIXL's UCX
+      plugin turns it on itself from its PR 2208; docs/transports.md)."""
     if _every_interface(devices):
         raise ValueError("ucx_devices must name the devices UCX may listen on (default 'lo'), not every one")
-    with _ENV_LOCK:  # the variable is process-wide: transports built on two threads take turns
+    wanted = {"UCX_NET_DEVICES": devices}
+    if kind == "VRAM":
+        wanted["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+    with _ENV_LOCK:  # the variables are process-wide: transports built on two threads take turns
         inherited = os.environ.get("UCX_NET_DEVICES")
-        if inherited is not None:
-            if _every_interface(inherited):
-                raise ValueError(f"UCX_NET_DEVICES={inherited!r} in the environment would make UCX listen on "
-                                 "every interface: name the devices (unset it for loopback)")
-            yield
-            return
-        os.environ["UCX_NET_DEVICES"] = devices
+        if inherited is not None and _every_interface(inherited):
+            raise ValueError(f"UCX_NET_DEVICES={inherited!r} in the environment would make UCX listen on "
+                             "every interface: name the devices (unset it for loopback)")
+        ours = [name for name in wanted if name not in os.environ]
+        for name in ours:
+            os.environ[name] = wanted[name]
         try:
             yield
         finally:
-            os.environ.pop("UCX_NET_DEVICES", None)
+            for name in ours:
+                os.environ.pop(name, None)
 
 
 def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: int | None,
