@@ -436,7 +436,7 @@ def _stop_waiting(m: ConsumerRequest, core: Core, t_ns: int) -> None:
 def _post_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
-    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns)
+    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.config.engine_id)
     emit, rid, eid = core.emit, m.request_id, req.engine_id
     for src in plan.sources:
         emit(PostRead(rid, eid, src, req.local_blocks, req.remote_blocks, note))
@@ -524,7 +524,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     # reads were posted (a restarted producer), needs the check again.
     if (connected_only or (m.attempts and m.attempts != _attempts(m, core))) and disagreement(req, core) is not None:
         return
-    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns)
+    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.config.engine_id)
     eid = req.engine_id
     unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
     for pp, tp in unread + list(plan.notify_only):

@@ -342,6 +342,7 @@ class NotificationReceived(_ProducerEvent, frozen=True):
     of: int
     sender: str = ""
     issued_wall_ns: int = 0  # the hold read, by its params' issue time (0: not said)
+    consumer: str = ""  # the consumer engine that read ("": not said); each engine's parts count apart
 
 
 class Heartbeat(_ProducerEvent, frozen=True):

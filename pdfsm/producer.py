@@ -12,6 +12,12 @@ whichever of the last notification and the lease expiry comes second finds
 the request already released (vLLM PR 24268). Notifications are counted as
 distinct parts ``part`` of ``of`` (SGLang 39846); a duplicate, a part out of
 range or a disagreement on ``of`` is a remote violation that changes nothing.
+Each consumer engine's parts are counted apart (notifications name their
+engine): params handed to a second decode engine (a router retrying a request
+whose first decode engine died mid-read) are a remote violation, and the hold
+is released only when every engine that notified has notified every part, or
+at its lease; counted together, one engine's part 0 and the other's part 1
+released the blocks while the second engine's rank 0 still read them.
 Notifications that arrive before the scheduler registers the request are
 staged, bounded in number and kept one lease (a notification can only follow
 the start of its lease, so a lease later the request cannot still be coming:
@@ -50,8 +56,8 @@ S = ProducerState
 class ProducerRequest:
     """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
-    __slots__ = ("block_ids", "deadline", "extended_to", "issued", "of", "outcome", "parts", "promised_for",
-                 "request_id", "state", "t_start")
+    __slots__ = ("block_ids", "consumer", "deadline", "extended_to", "issued", "of", "others", "outcome", "parts",
+                 "promised_for", "request_id", "state", "t_start")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -59,6 +65,9 @@ class ProducerRequest:
         self.block_ids: tuple[int, ...] = ()
         self.of = 0  # parts expected, learnt from the first notification
         self.parts = 0  # bit i: part i has notified
+        self.consumer = ""  # the consumer engine those parts are from ("": not said)
+        # Any other consumer engine's (of, parts): params handed to two decode engines (None: one).
+        self.others: dict[str, tuple[int, int]] | None = None
         self.deadline = 0
         # A heartbeat that arrived before registration promised the lease this long (None: none did;
         # 0 and negative are real times).
@@ -73,7 +82,9 @@ class ProducerRequest:
 
     @property
     def complete(self) -> bool:
-        return self.of > 0 and self.parts == (1 << self.of) - 1
+        """Every consumer engine that notified has notified every part."""
+        return self.of > 0 and self.parts == (1 << self.of) - 1 and (
+            self.others is None or all(parts == (1 << of) - 1 for of, parts in self.others.values()))
 
 
 # --- guards -----------------------------------------------------------------------------------
@@ -87,7 +98,25 @@ def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core)
     """
     part, of, issued = ev.part, ev.of, ev.issued_wall_ns
     return (0 <= part < of and m.parts == ((1 << of) - 1) ^ (1 << part) and m.of in (0, of)
-            and (not issued or not m.issued or abs(issued - m.issued) <= core.config.hold_skew_ns))
+            and (not issued or not m.issued or abs(issued - m.issued) <= core.config.hold_skew_ns)
+            and m.others is None and (not m.of or ev.consumer == m.consumer))
+
+
+def _first_consumer(m: ProducerRequest, ev: NotificationReceived) -> bool:
+    """``ev`` is from the consumer engine whose parts ``m.of`` and ``m.parts`` count (or the first)."""
+    return not m.of or ev.consumer == m.consumer
+
+
+def _counted(m: ProducerRequest, ev: NotificationReceived) -> tuple[int, int]:
+    """(of, parts) counted so far for ``ev``'s consumer engine ((0, 0): none yet)."""
+    if _first_consumer(m, ev):
+        return m.of, m.parts
+    return (m.others or {}).get(ev.consumer, (0, 0))
+
+
+def _another_consumer(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    """The first notice from a second consumer engine: the params went to two decode engines."""
+    return not _first_consumer(m, ev) and (m.others is None or ev.consumer not in m.others)
 
 
 def _apart(a: int, b: int, core: Core) -> bool:
@@ -122,15 +151,22 @@ def _malformed(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool
 
 
 def _disagrees_on_count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
-    return m.of not in (0, ev.of)
+    return _counted(m, ev)[0] not in (0, ev.of)
 
 
 def _duplicate(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
-    return (m.parts >> ev.part) & 1 == 1
+    return (_counted(m, ev)[1] >> ev.part) & 1 == 1
 
 
 def _completes(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
-    return m.parts | (1 << ev.part) == (1 << ev.of) - 1
+    """With this part, every consumer engine that notified has notified every part."""
+    if _counted(m, ev)[1] | 1 << ev.part != (1 << ev.of) - 1:
+        return False
+    if m.others is None:
+        return True
+    mine = None if _first_consumer(m, ev) else ev.consumer
+    return (mine is None or m.parts == (1 << m.of) - 1) and all(
+        parts == (1 << of) - 1 for consumer, (of, parts) in m.others.items() if consumer != mine)
 
 
 def _staged_complete(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
@@ -181,6 +217,7 @@ def _hold_over_stale(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     """The staged notifications were of an earlier hold under this id (a late notice for a hold
     forgotten since): they do not count toward this one."""
     m.of = m.parts = 0
+    m.consumer, m.others = "", None
     _hold_staged(m, ev, core)
 
 
@@ -190,8 +227,12 @@ def _hold_and_release(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
 
 
 def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    m.of = ev.of
-    m.parts |= 1 << ev.part
+    if _first_consumer(m, ev):
+        m.of, m.consumer = ev.of, ev.consumer
+        m.parts |= 1 << ev.part
+    else:
+        others = m.others = m.others or {}
+        others[ev.consumer] = (ev.of, others.get(ev.consumer, (0, 0))[1] | 1 << ev.part)
     if not m.issued:  # staged after a heartbeat, or a hold that did not say: the first to say names it
         m.issued = ev.issued_wall_ns
 
@@ -207,6 +248,7 @@ def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     """Staged notices of an earlier hold under this id give way to a later hold's: the later one is
     the hold the scheduler is about to register (or has, on the minting rank)."""
     m.of = m.parts = m.issued = 0
+    m.consumer, m.others = "", None
     core.leases.disarm(m.request_id, m.deadline)
     m.deadline = max(m.deadline, ev.t_ns + core.config.lease_ns)
     core.leases.arm(m.request_id, m.deadline)
@@ -241,8 +283,7 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    m.of = ev.of
-    m.parts |= 1 << ev.part
+    _count(m, ev, core)
     rid = m.request_id
     core.leases.disarm(rid, m.deadline)  # _release, spelt out: once per request
     m.deadline = 0
@@ -281,6 +322,8 @@ _dup = Illegal(remote, "duplicate notification for a part already counted", when
 _reused = Illegal(local, "request id reused after release")
 _other_hold = Illegal(remote, "notification of another hold of this request id (its params were issued at "
                               "another time): a late notice, not this hold's", when=_of_another_hold)
+_two_consumers = "a second consumer engine read this hold (its params went to two decode engines): released " \
+                 "when every engine that notified has notified every part, or at the lease"
 
 TABLE: Final[Table] = Table(
     "producer",
@@ -310,7 +353,8 @@ TABLE: Final[Table] = Table(
         on(S.STAGED, NotificationReceived, _bad_part,
            Go(S.STAGED, _restage, when=_of_a_later_hold, fault=remote,
               reason="staged notifications were of an earlier hold of this request id: replaced"),
-           _other_hold, _bad_count, _dup, Go(S.STAGED, _count)),
+           _other_hold, Go(S.STAGED, _count, when=_another_consumer, fault=remote, reason=_two_consumers),
+           _bad_count, _dup, Go(S.STAGED, _count)),
         on(S.STAGED, Heartbeat, Go(S.STAGED, _extend_staged)),
         on(
             S.STAGED,
@@ -329,6 +373,7 @@ TABLE: Final[Table] = Table(
             Go(S.RELEASED, _count_and_release, when=_completes_cleanly),
             _bad_part,
             _other_hold,
+            Go(S.HOLDING, _count, when=_another_consumer, fault=remote, reason=_two_consumers),
             _bad_count,
             _dup,
             Go(S.RELEASED, _count_and_release, when=_completes),

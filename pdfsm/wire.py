@@ -36,9 +36,10 @@ __all__ = [
 MAX_ID_CHARS: Final = 256
 MAX_HASH_CHARS: Final = 1024  # a handshake reply's compat_hash
 MAX_BLOCK_SIZE: Final = (1 << 31) - 1  # a handshake reply's block_size
-# The longest id any message can carry (4 UTF-8 bytes a character) and the rest of the largest one:
-# every message pdfsm's checks accept fits, so a send never fails on its size.
-MAX_NOTIFY_BYTES: Final = 4 * MAX_ID_CHARS + 64
+# The two longest ids a message can carry (a request's and a consumer engine's, 4 UTF-8 bytes a
+# character) and the rest of the largest one: every message pdfsm's checks accept fits, so a send
+# never fails on its size.
+MAX_NOTIFY_BYTES: Final = 8 * MAX_ID_CHARS + 64
 MAX_EXTEND_NS: Final = 3_600_000_000_000  # a heartbeat extends a lease by an hour at most
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -58,6 +59,9 @@ class Notification(msgspec.Struct, frozen=True, gc=False, tag="n", array_like=Tr
     # The params' issued_wall_ns: which hold of ``request_id`` was read (0: not said). Older
     # producers ignore it (msgspec skips trailing array items a struct does not have).
     issued_wall_ns: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # The consumer engine that read (its engine id; "": not said, older consumers): the producer
+    # counts each engine's parts apart, so params handed to two decode engines cannot mix them.
+    consumer: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
 
 
 class HeartbeatMessage(msgspec.Struct, frozen=True, gc=False, tag="h", array_like=True):
@@ -119,6 +123,7 @@ def notification_event(raw: bytes, *, sender: str, source: str, t_ns: int) -> Ev
                           error=str(exc), size=len(raw))
     if isinstance(msg, Notification):
         return NotificationReceived(source=source, t_ns=t_ns, request_id=msg.request_id, part=msg.part,
-                                    of=msg.of, sender=sender, issued_wall_ns=msg.issued_wall_ns)
+                                    of=msg.of, sender=sender, issued_wall_ns=msg.issued_wall_ns,
+                                    consumer=msg.consumer)
     return Heartbeat(source=source, t_ns=t_ns, request_id=msg.request_id, extend_ns=msg.extend_ns,
                      sender=sender, issued_wall_ns=msg.issued_wall_ns)

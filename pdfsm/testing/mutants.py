@@ -103,7 +103,8 @@ def _read_done_local_id(m: C.ConsumerRequest, ev: HandleDone, core: Core) -> Non
     assert plan is not None and req is not None
     for pp, tp in plan.notify_only:  # the bug: the local id instead of the producer's
         core.emit(SendNotification(engine_id=req.engine_id, pp_rank=pp, tp_rank=tp,
-                                   notification=Notification(m.request_id, plan.part, plan.of)))
+                                   notification=Notification(m.request_id, plan.part, plan.of,
+                                                             consumer=core.config.engine_id)))
     m.done |= m.pending
     m.pending = 0
     C._let_go(m, core, ev.t_ns)

@@ -98,7 +98,7 @@ FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "h
                     "handshake-timeout", "peer-refused", "notify-drop", "notify-duplicate", "forge", "heartbeat"})
 # Opt-in faults: not in a Scenario's default ``faults`` (FAULTS), so the default scenarios, the mutant
 # suite and their derandomized searches stay as they were; name them in ``Scenario.faults`` to use them.
-EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart", "late-tick"})
+EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart", "late-tick", "second-reader"})
 COMPAT = "race-model-v1"
 # With "rank-restart", wall-clock times are said: params their issue time, ranks their start time.
 # A worker's restart takes RESTART_NS, more than the cores' HOLD_SKEW_NS: any params issued before
@@ -336,6 +336,7 @@ class World:
         self.heartbeats = 0
         self.dead: set[tuple[int, str, int]] = set()  # (rank, engine, pp): connection dropped, not added again
         self.link_drops = 0
+        self.second_reads = 0  # "second-reader": holds another decode engine (E) read with the same params
         self.refuse_post: set[int] = set()  # consumer ranks whose transport refuses its next post
         self.post_refusals = 0
         self.reporting_disconnect = False  # applying the transport's PeerDisconnected for one link
@@ -388,6 +389,10 @@ class World:
         if "forge" in faults and "forge again" not in self.faults_used:
             out.append(Choice("fault: a forged notification reaches the producer", frozenset({"p:forged"}),
                               self._forge))
+        if "second-reader" in faults and self.second_reads < 2:
+            for target, prid in sorted(k for k, parts in self.delivered.items() if parts):
+                out.append(Choice(f"fault: decode engine E reads {prid} from {target} with the same params",
+                                  frozenset({f"p:{prid}"}), partial(self._second_reader, target, prid)))
         if "link-drop" in faults and self.link_drops < 2:  # one PP rank's connection, the producer reachable
             for rank, engine, pp in sorted(self.peers):
                 if (rank, engine, pp) not in self.dead:
@@ -728,6 +733,15 @@ class World:
         self.apply(name, self._ev(NotificationReceived, request_id="forged2" if again else "forged", part=0, of=1,
                                   sender="mallory"))
 
+    def _second_reader(self, target: str, prid: str) -> None:
+        """A router handed the params of a request D is reading, or has read, to another decode
+        engine too (a retry after it thought D dead): E reads the hold and notifies every part."""
+        self.second_reads += 1
+        of = next(iter(self.delivered[(target, prid)]))[1]
+        for part in range(of):
+            self.apply(target, self._ev(NotificationReceived, request_id=prid, part=part, of=of,
+                                        sender=f"E{part}", consumer="E"))
+
     # --- the simulated network and transport -------------------------------------------------------
 
     def _answer(self, source: str, rank: int, cmd: StartHandshake, how: str) -> None:
@@ -863,7 +877,8 @@ class World:
         self.sources[source].popleft()
         if how == "drop":
             return
-        ev = self._ev(NotificationReceived, request_id=note.request_id, part=note.part, of=note.of, sender=sender)
+        ev = self._ev(NotificationReceived, request_id=note.request_id, part=note.part, of=note.of, sender=sender,
+                      issued_wall_ns=note.issued_wall_ns, consumer=note.consumer)
         parts = self.delivered.setdefault((target, note.request_id), set())
         parts.add((note.part, note.of))
         self.apply(target, ev)
