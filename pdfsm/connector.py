@@ -395,12 +395,18 @@ class Connector:
         self._round = 0
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
-        # Params already loaded, their minting -> local id, the newest tombstones-many:
-        # a second read of them could copy blocks the producer released after the first. A load
-        # still live when the count pushes it out moves to _live_loads (never forgotten while live).
-        self._loaded: OrderedDict[_Minting, str] = OrderedDict()
+        # Params already loaded, their minting -> (local id, their lease's end on the producer's
+        # wall clock, 0: not said), the newest tombstones-many: a second read of them could copy
+        # blocks the producer released after the first. A load still live when the count pushes it
+        # out moves to _live_loads (never forgotten while live).
+        self._loaded: OrderedDict[_Minting, tuple[str, int]] = OrderedDict()
         self._live_loads: dict[_Minting, str] = {}
         self._live_swept = 0  # _live_loads' size after its last sweep
+        # Per producer engine, the latest issue time of params the count pushed out while their
+        # lease still ran, and the latest end of those leases: params of that engine issued no later
+        # may be ones forgotten, and are refused until those leases are over (vLLM issue 52234).
+        self._forgotten: dict[str, tuple[int, int]] = {}
+        self._forgotten_swept = 0  # its size after its last sweep
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
         self._writing: dict[int, str] = {}
@@ -543,10 +549,16 @@ class Connector:
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
         minting = _minting(p)
-        first = self._loaded.get(minting) or self._live_load(minting)
+        loaded = self._loaded.get(minting)
+        first = loaded[0] if loaded is not None else self._live_load(minting)
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
+        if p.issued_wall_ns and p.remote_engine_id in self._forgotten and self._maybe_forgotten(p):
+            raise InvalidInput("kv_transfer_params", f"issued at {p.issued_wall_ns}, no later than params of "
+                                                     f"{p.remote_engine_id!r} forgotten while their lease still ran "
+                                                     f"(more than tombstones={self.config.tombstones} loads "
+                                                     "since): they may be those, already read")
         return _requested(p, rid, now, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
                           lease_start_ns=lease_start_ns), minting
 
@@ -682,11 +694,29 @@ class Connector:
             return None
         return rid
 
+    def _maybe_forgotten(self, p: KVTransferParams) -> bool:
+        """``p`` is no newer than params of its engine forgotten while their lease ran, and one of
+        those leases may still run (on this wall clock, the margin allowing for skew)."""
+        issued, end = self._forgotten[p.remote_engine_id]
+        if end + self.config.lease_margin_ns < self._wall_clock():
+            del self._forgotten[p.remote_engine_id]  # every one of those leases is over: a reload reads nothing
+            return False
+        return p.issued_wall_ns <= issued
+
     def _submit_load(self, ev: ReadRequested, minting: _Minting) -> None:
         self._queued[CONSUMER].add(ev.request_id)
-        self._loaded[minting] = ev.request_id
+        issued = minting[2]
+        self._loaded[minting] = (ev.request_id, issued + ev.lease_ns if issued else 0)
         if len(self._loaded) > self.config.tombstones:
-            key, rid = self._loaded.popitem(last=False)
+            key, (rid, end) = self._loaded.popitem(last=False)
+            if end and end + self.config.lease_margin_ns >= self._wall_clock():  # its lease may still run
+                engine = key[0]
+                was = self._forgotten.get(engine, (0, 0))
+                self._forgotten[engine] = (max(was[0], key[2]), max(was[1], end))
+                if len(self._forgotten) > 2 * self._forgotten_swept + 8:  # engines gone for good: amortized
+                    now = self._wall_clock() - self.config.lease_margin_ns
+                    self._forgotten = {e: f for e, f in self._forgotten.items() if f[1] >= now}
+                    self._forgotten_swept = len(self._forgotten)
             if self._live(rid):
                 self._live_loads[key] = rid
                 if len(self._live_loads) > 2 * self._live_swept:  # amortized: bounded by the live ones

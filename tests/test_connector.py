@@ -22,7 +22,8 @@ class World:
     """A producer engine and a consumer engine (each one Connector per TP rank) on one network."""
 
     def __init__(self, *, p_tp: int = 1, d_tp: int = 1, mla: bool = False, policy: str = "recompute",
-                 lease_ns: int = 10**12, read_timeout_ns: int = 10**12, pp: int = 1, d_pp_support: bool = True) -> None:
+                 lease_ns: int = 10**12, read_timeout_ns: int = 10**12, pp: int = 1, d_pp_support: bool = True,
+                 tombstones: int = 65536) -> None:
         self.net, self.now = SimNetwork(), 0
         self.mla, self.p_tp, self.d_tp = mla, p_tp, d_tp
 
@@ -46,7 +47,7 @@ class World:
                                 supports_pp=d_pp_support) for t in range(d_tp)]
         self.d = [Connector(CoreConfig(engine_id="D", tp_rank=t, tp_size=d_tp, mla=mla, compat_hash="h",
                                        policy=policy, read_timeout_ns=read_timeout_ns,  # type: ignore[arg-type]
-                                       lease_margin_ns=100),
+                                       lease_margin_ns=100, tombstones=tombstones),
                             self.dt[t], SimHandshaker(self.net), clock=clock, wall_clock=clock) for t in range(d_tp)]
         self.pp = pp
         self.failed: list[HandOff] = []
@@ -370,6 +371,37 @@ def test_params_are_single_use() -> None:
     twice = w.prefill("p2", [2])
     with pytest.raises(InvalidInput, match="params 'a' loads too"):
         d.start_load_kv(ConnectorMetadata(reqs_to_recv={"a": ((5,), twice), "b": ((6,), twice)}))
+
+
+def test_params_forgotten_by_count_while_their_lease_runs_are_not_read_again() -> None:
+    """vLLM issue 52234 ("consumed reference reused"): single-use params are remembered for the
+    newest ``tombstones`` loads. Once that many other loads had pushed them out, the same params
+    loaded again inside their lease, and the read of a block the producer had released and reused
+    was reported received with the other request's bytes. Params of that engine issued no later
+    than one forgotten while its lease ran are refused until those leases are over; later params
+    load as before, and after the leases end a reload is failed as lease-over, never read."""
+    lease = 10**6
+    w = World(tombstones=4, lease_ns=lease)
+    w.now = 10**9  # a wall clock that says when params were issued
+    d, pt = w.d[0], w.pt[0][0]
+    params = w.prefill("p1", [3])
+    d.load("d1", [10], params)
+    sent, recv = w.run(4)
+    assert recv == {"d1": 1} and sent == {"p1": 1}
+    pt.memory[3 * pt.block_bytes:4 * pt.block_bytes] = pattern("other-request", 3, pt.block_bytes)  # reused
+    for i in range(4):  # four more loads: d1's params are pushed out of the remembered ones
+        w.now += 1
+        d.load(f"n{i}", [20 + i], w.prefill(f"q{i}", [30 + i]))
+        w.run(2)
+    with pytest.raises(InvalidInput, match="forgotten while their lease still ran"):
+        d.load("d1-retry", [40], params)
+    w.now += 1
+    d.load("fresh", [41], w.prefill("p2", [42]))  # issued after every forgotten one: loads
+    assert w.run(4)[1] == {"fresh": 1}
+    w.now += lease + 200  # every forgotten lease is over, the margin too
+    d.load("d1-late", [43], params)  # not refused by count: the lease says it all
+    _, recv = w.run(4)
+    assert recv == {"d1-late": 1} and [f.request_id for f in w.failed] == ["d1-late"]
 
 
 def test_heartbeat_extends_the_producer_lease() -> None:
