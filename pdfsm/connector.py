@@ -369,8 +369,15 @@ class Connector:
         wall_clock: Clock = time.time_ns,
         host: str = "127.0.0.1",
         port: int = 0,
+        predecessor: Connector | None = None,
     ) -> None:
+        """``predecessor``: the Connector this one replaces in the same process (shut down first):
+        the params it loaded stay single-use here. Without it, params the old one loaded and
+        aborted (its notice let the producer release and reuse the blocks) loaded again read the
+        reused blocks and were reported received."""
         config = _check_config(config, transport)
+        if predecessor is not None and not predecessor._closed:
+            raise InvalidInput("predecessor", "must be shut down first: its loads still run")
         for field, read in (("clock", clock), ("wall_clock", wall_clock)):
             # A float clock (time.monotonic) passed every check and raised inside the core later,
             # losing a hold already accepted; a float wall clock minted params consumers refuse.
@@ -393,6 +400,7 @@ class Connector:
         # Cancels the transport raised on: handle -> (failures, the round to retry it in).
         self._recancel: dict[tuple[str, int, int], tuple[int, int]] = {}
         self._round = 0
+        self._invalid_taken = False  # get_block_ids_with_load_errors answered since the last get_finished
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         # Params already loaded, their minting -> (local id, their lease's end on the producer's
@@ -407,6 +415,10 @@ class Connector:
         # may be ones forgotten, and are refused until those leases are over (vLLM issue 52234).
         self._forgotten: dict[str, tuple[int, int]] = {}
         self._forgotten_swept = 0  # its size after its last sweep
+        if predecessor is not None:  # its loads have all ended: remembered, as single-use, here too
+            self._loaded.update(predecessor._loaded)
+            self._loaded.update((key, (rid, 0)) for key, rid in predecessor._live_loads.items())
+            self._forgotten.update(predecessor._forgotten)
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
         self._writing: dict[int, str] = {}
@@ -776,6 +788,7 @@ class Connector:
         self._open()
         self.step()
         self._step += 1
+        self._invalid_taken = False
         if self.core.pending_hand_offs:  # a collect with nothing to hand back would only fill the log
             self.core.submit(Collect(source=Source.SCHEDULER, t_ns=self._clock(), step=self._step))
             self.step()
@@ -803,7 +816,14 @@ class Connector:
     @_one_caller
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of the requests the last :meth:`get_finished` reported failed, and of those
-        it reported aborted whose reads did not all complete in time."""
+        it reported aborted whose reads did not all complete in time: once per
+        :meth:`get_finished` (empty if asked again before the next), as vLLM's connectors clear
+        theirs when read. A worker that asks every step but collects less often would otherwise
+        mark blocks invalid again after the scheduler gave them to other requests. After
+        :meth:`shutdown` it keeps returning the last report's."""
+        if self._invalid_taken and not self._closed:
+            return set()
+        self._invalid_taken = True
         return set(self.last.invalid_block_ids)
 
     @_one_caller

@@ -404,6 +404,62 @@ def test_params_forgotten_by_count_while_their_lease_runs_are_not_read_again() -
     assert recv == {"d1-late": 1} and [f.request_id for f in w.failed] == ["d1-late"]
 
 
+def test_invalid_block_ids_are_answered_once_per_get_finished() -> None:
+    """A worker that asks for invalid blocks every step but collects every few steps: vLLM's
+    connectors clear the set when read, and its scheduler maps each id to whoever holds the block
+    now. Answered again, d1's failed blocks 5 and 6, given to d2 meanwhile, were marked invalid
+    for d2 (found by review). After shutdown the last report's stay."""
+    w = World()
+    w.now = 10**9
+    d = w.d[0]
+    w.net.script("d1", 0, 0, ReadScript(polls=0, end="err"))
+    d.start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((5, 6), w.prefill("p1", [1, 2]))}))
+    recv: set[str] = set()
+    for _ in range(4):
+        w.now += 1000
+        recv |= d.get_finished()[1]
+        if recv:
+            break
+    assert recv == {"d1"} and d.get_block_ids_with_load_errors() == {5, 6}
+    d.start_load_kv(ConnectorMetadata(reqs_to_recv={"d2": ((5, 6), w.prefill("p2", [3, 4]))}))
+    assert d.get_block_ids_with_load_errors() == set()  # a step without get_finished
+    w.net.script("d3", 0, 0, ReadScript(polls=0, end="err"))
+    d.load("d3", [9], w.prefill("p3", [7]))
+    while "d3" not in d.get_finished()[1]:
+        w.now += 1000
+    d.shutdown()
+    assert d.get_block_ids_with_load_errors() == d.get_block_ids_with_load_errors() == set(d.last.invalid_block_ids)
+
+
+def test_a_connector_restarted_in_process_keeps_its_predecessors_params_single_use() -> None:
+    """The scheduler restarts its decode Connector while the producer still holds (found by
+    review): the new one remembered none of the old one's loads, accepted params the old one had
+    loaded and aborted (their notice released the blocks, since reused) and reported them received.
+    Built with ``predecessor=``, it refuses them as the old one would have."""
+    w = World(lease_ns=10**6)
+    w.now = 10**9
+    params = w.prefill("p1", [3])
+    w.net.script("d1", 0, 0, ReadScript(polls=50))
+    w.d[0].load("d1", [10], params)
+    w.run(2)
+    with pytest.raises(InvalidInput, match="shut down first"):
+        Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(w.net, "D-early"), SimHandshaker(w.net),
+                  predecessor=w.d[0])
+    w.d[0].shutdown()
+    restarted = Connector(CoreConfig(engine_id="D", compat_hash="h", lease_margin_ns=100),
+                          SimTransport(w.net, "D-again"), SimHandshaker(w.net), clock=lambda: w.now,
+                          wall_clock=lambda: w.now, predecessor=w.d[0])
+    with pytest.raises(InvalidInput, match="already loaded by 'd1'"):
+        restarted.load("d1", [10], params)
+    restarted.load("fresh", [11], w.prefill("p2", [4]))  # other params load as ever
+    got: set[str] = set()
+    for _ in range(6):
+        w.now += 10
+        got |= restarted.get_finished()[1]
+        w.p[0].get_finished()
+    assert got == {"fresh"} and not restarted.last.failed
+
+
 def test_heartbeat_extends_the_producer_lease() -> None:
     w = World(lease_ns=3_000)
     params = w.prefill("p1", [1])
