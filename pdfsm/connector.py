@@ -89,6 +89,7 @@ _Incarnation = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 # One minting of params: the engine, its request id, when and by which process they were issued.
 # A request id the producer reuses (after forgetting it) mints new params, loadable afresh.
 _Minting = tuple[str, str, int, str]
+_FORGOTTEN_NS: Final = 10_000_000  # the issue-time slot of params forgotten while their lease ran
 
 
 def _minting(p: KVTransferParams) -> _Minting:
@@ -410,10 +411,12 @@ class Connector:
         self._loaded: OrderedDict[_Minting, tuple[str, int]] = OrderedDict()
         self._live_loads: dict[_Minting, str] = {}
         self._live_swept = 0  # _live_loads' size after its last sweep
-        # Per producer engine, the latest issue time of params the count pushed out while their
-        # lease still ran, and the latest end of those leases: params of that engine issued no later
-        # may be ones forgotten, and are refused until those leases are over (vLLM issue 52234).
-        self._forgotten: dict[str, tuple[int, int]] = {}
+        # Params the count pushed out while their lease still ran, by producer engine and issue
+        # time to _FORGOTTEN_NS -> the latest end of their leases: params of that engine issued in
+        # such a slot may be ones forgotten, and are refused until those leases are over (vLLM
+        # issue 52234). Slots, not one mark per engine: a never-loaded params issued a little
+        # earlier than a forgotten one, or by a producer whose clock stepped back, still loads.
+        self._forgotten: dict[tuple[str, int], int] = {}
         self._forgotten_swept = 0  # its size after its last sweep
         if predecessor is not None:  # its loads have all ended: remembered, as single-use, here too
             self._loaded.update(predecessor._loaded)
@@ -424,7 +427,7 @@ class Connector:
         self._writing: dict[int, str] = {}
         self._writes: dict[str, tuple[int, ...]] = {}
         self.last = StepOutput(step=0)
-        self._closed = False
+        self._closed: bool = False
 
     def _open(self) -> None:
         if self._closed:
@@ -566,11 +569,11 @@ class Connector:
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
-        if p.issued_wall_ns and p.remote_engine_id in self._forgotten and self._maybe_forgotten(p):
-            raise InvalidInput("kv_transfer_params", f"issued at {p.issued_wall_ns}, no later than params of "
-                                                     f"{p.remote_engine_id!r} forgotten while their lease still ran "
-                                                     f"(more than tombstones={self.config.tombstones} loads "
-                                                     "since): they may be those, already read")
+        if p.issued_wall_ns and self._forgotten and self._maybe_forgotten(p):
+            raise InvalidInput("kv_transfer_params", f"issued at {p.issued_wall_ns}, within {_FORGOTTEN_NS} ns of "
+                                                     f"params of {p.remote_engine_id!r} forgotten while their lease "
+                                                     f"still ran (more than tombstones={self.config.tombstones} "
+                                                     "loads since): they may be those, already read")
         return _requested(p, rid, now, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
                           lease_start_ns=lease_start_ns), minting
 
@@ -707,13 +710,16 @@ class Connector:
         return rid
 
     def _maybe_forgotten(self, p: KVTransferParams) -> bool:
-        """``p`` is no newer than params of its engine forgotten while their lease ran, and one of
-        those leases may still run (on this wall clock, the margin allowing for skew)."""
-        issued, end = self._forgotten[p.remote_engine_id]
-        if end + self.config.lease_margin_ns < self._wall_clock():
-            del self._forgotten[p.remote_engine_id]  # every one of those leases is over: a reload reads nothing
+        """``p`` was issued in a slot of its engine's forgotten params, and one of their leases may
+        still run (on this wall clock, the margin allowing for skew)."""
+        slot = (p.remote_engine_id, p.issued_wall_ns // _FORGOTTEN_NS)
+        end = self._forgotten.get(slot)
+        if end is None:
             return False
-        return p.issued_wall_ns <= issued
+        if end + self.config.lease_margin_ns < self._wall_clock():
+            del self._forgotten[slot]  # every one of those leases is over: a reload reads nothing
+            return False
+        return True
 
     def _submit_load(self, ev: ReadRequested, minting: _Minting) -> None:
         self._queued[CONSUMER].add(ev.request_id)
@@ -722,12 +728,11 @@ class Connector:
         if len(self._loaded) > self.config.tombstones:
             key, (rid, end) = self._loaded.popitem(last=False)
             if end and end + self.config.lease_margin_ns >= self._wall_clock():  # its lease may still run
-                engine = key[0]
-                was = self._forgotten.get(engine, (0, 0))
-                self._forgotten[engine] = (max(was[0], key[2]), max(was[1], end))
-                if len(self._forgotten) > 2 * self._forgotten_swept + 8:  # engines gone for good: amortized
+                slot = (key[0], key[2] // _FORGOTTEN_NS)
+                self._forgotten[slot] = max(self._forgotten.get(slot, 0), end)
+                if len(self._forgotten) > 2 * self._forgotten_swept + 8:  # slots whose leases ended: amortized
                     now = self._wall_clock() - self.config.lease_margin_ns
-                    self._forgotten = {e: f for e, f in self._forgotten.items() if f[1] >= now}
+                    self._forgotten = {k: e for k, e in self._forgotten.items() if e >= now}
                     self._forgotten_swept = len(self._forgotten)
             if self._live(rid):
                 self._live_loads[key] = rid

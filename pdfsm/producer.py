@@ -38,7 +38,11 @@ from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
 if TYPE_CHECKING:
     from pdfsm.core import Core
 
-__all__ = ["TABLE", "ProducerRequest", "ProducerState"]
+__all__ = ["MAX_READERS", "TABLE", "ProducerRequest", "ProducerState"]
+
+MAX_READERS: Final = 8
+"""Consumer engines counted apart on one hold. A hold read by more (a peer naming a new engine on
+each notice) is crowded: only its lease releases it, and it stays bounded."""
 
 
 class ProducerState:
@@ -67,6 +71,7 @@ class ProducerRequest:
         self.parts = 0  # bit i: part i has notified
         self.consumer = ""  # the consumer engine those parts are from ("": not said)
         # Any other consumer engine's (of, parts): params handed to two decode engines (None: one).
+        # At most MAX_READERS - 1 of them; past that the hold is crowded: only its lease ends it.
         self.others: dict[str, tuple[int, int]] | None = None
         self.deadline = 0
         # A heartbeat that arrived before registration promised the lease this long (None: none did;
@@ -84,7 +89,8 @@ class ProducerRequest:
     def complete(self) -> bool:
         """Every consumer engine that notified has notified every part."""
         return self.of > 0 and self.parts == (1 << self.of) - 1 and (
-            self.others is None or all(parts == (1 << of) - 1 for of, parts in self.others.values()))
+            self.others is None or (len(self.others) < MAX_READERS
+                                    and all(parts == (1 << of) - 1 for of, parts in self.others.values())))
 
 
 # --- guards -----------------------------------------------------------------------------------
@@ -164,6 +170,8 @@ def _completes(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool
         return False
     if m.others is None:
         return True
+    if len(m.others) >= MAX_READERS:  # crowded: the lease ends it
+        return False
     mine = None if _first_consumer(m, ev) else ev.consumer
     return (mine is None or m.parts == (1 << m.of) - 1) and all(
         parts == (1 << of) - 1 for consumer, (of, parts) in m.others.items() if consumer != mine)
@@ -232,7 +240,8 @@ def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
         m.parts |= 1 << ev.part
     else:
         others = m.others = m.others or {}
-        others[ev.consumer] = (ev.of, others.get(ev.consumer, (0, 0))[1] | 1 << ev.part)
+        if ev.consumer in others or len(others) < MAX_READERS:  # past the bound, one more marks it crowded
+            others[ev.consumer] = (ev.of, others.get(ev.consumer, (0, 0))[1] | 1 << ev.part)
     if not m.issued:  # staged after a heartbeat, or a hold that did not say: the first to say names it
         m.issued = ev.issued_wall_ns
 
@@ -283,7 +292,11 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    _count(m, ev, core)
+    if m.others is None:  # the common case, spelt out: the first (or only) engine's last part
+        m.of, m.consumer = ev.of, ev.consumer
+        m.parts |= 1 << ev.part
+    else:
+        _count(m, ev, core)
     rid = m.request_id
     core.leases.disarm(rid, m.deadline)  # _release, spelt out: once per request
     m.deadline = 0

@@ -377,10 +377,10 @@ def test_params_forgotten_by_count_while_their_lease_runs_are_not_read_again() -
     """vLLM issue 52234 ("consumed reference reused"): single-use params are remembered for the
     newest ``tombstones`` loads. Once that many other loads had pushed them out, the same params
     loaded again inside their lease, and the read of a block the producer had released and reused
-    was reported received with the other request's bytes. Params of that engine issued no later
-    than one forgotten while its lease ran are refused until those leases are over; later params
-    load as before, and after the leases end a reload is failed as lease-over, never read."""
-    lease = 10**6
+    was reported received with the other request's bytes. Params of that engine issued in the
+    10 ms slot of one forgotten while its lease ran are refused until those leases are over; other
+    params load as before, and after the leases end a reload is failed as lease-over, never read."""
+    lease = 10**9
     w = World(tombstones=4, lease_ns=lease)
     w.now = 10**9  # a wall clock that says when params were issued
     d, pt = w.d[0], w.pt[0][0]
@@ -395,8 +395,8 @@ def test_params_forgotten_by_count_while_their_lease_runs_are_not_read_again() -
         w.run(2)
     with pytest.raises(InvalidInput, match="forgotten while their lease still ran"):
         d.load("d1-retry", [40], params)
-    w.now += 1
-    d.load("fresh", [41], w.prefill("p2", [42]))  # issued after every forgotten one: loads
+    w.now += 10_000_000  # the next issue-time slot (10 ms): nothing of it was forgotten
+    d.load("fresh", [41], w.prefill("p2", [42]))
     assert w.run(4)[1] == {"fresh": 1}
     w.now += lease + 200  # every forgotten lease is over, the margin too
     d.load("d1-late", [43], params)  # not refused by count: the lease says it all

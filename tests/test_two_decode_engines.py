@@ -108,11 +108,30 @@ def test_the_notification_names_its_consumer_engine_and_older_ones_decode() -> N
 
 
 def test_the_race_tester_finds_no_release_under_a_live_read_with_a_second_reader() -> None:
-    """Decode TP 2 reading producer TP 1 (two parts at one producer rank), and decode engine E
-    reading the same hold at any point: every interleaving's received bytes are the request's.
-    Before the fix the search found D1 reporting r0 received with block 0 in version 1."""
+    """Decode TP 2 reading producer TP 1 (two parts at one producer rank), and decode engine E's
+    notices for the same hold at any point (the world models E's notices, not its reads): every
+    interleaving's bytes received by D are the request's. Before the fix the search found D1
+    reporting r0 received with block 0 in version 1."""
     for producer_tp, consumer_tp in ((1, 2), (2, 2)):
         scenario = Scenario(requests=1, producer_tp=producer_tp, consumer_tp=consumer_tp,
                             faults=frozenset({"second-reader", "notify-drop"}))
         found = hunt(scenario, max_examples=200)
         assert not found.found, found.message
+
+
+def test_a_hold_read_by_too_many_engines_stays_bounded_and_waits_for_its_lease() -> None:
+    """A peer naming a new consumer engine on every notice (found by review): the engines counted
+    apart on one hold are bounded (MAX_READERS); past that the hold is crowded, and only its lease
+    releases it, even if every engine seen finished."""
+    from pdfsm.producer import MAX_READERS
+
+    core = make_core(engine_id="P", strict=False, lease_ns=LEASE)
+    core.apply(ev(BlocksHeld, 0, request_id="r", block_ids=(7,)))
+    for i in range(1000):
+        _note(core, 1, 0, 1 if i else 2, f"E{i}")  # E0's count is 2: it never completes
+    m = core.producers["r"]
+    assert m.others is not None and len(m.others) <= MAX_READERS
+    _note(core, 2, 1, 2, "E0")  # every engine counted has now finished: still crowded
+    assert _released(core) == []
+    core.apply(ev(Tick, LEASE + 1))
+    assert [f.expired for f in _released(core)] == [True]
