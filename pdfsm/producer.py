@@ -338,6 +338,16 @@ _other_hold = Illegal(remote, "notification of another hold of this request id (
 _two_consumers = "a second consumer engine read this hold (its params went to two decode engines): released " \
                  "when every engine that notified has notified every part, or at the lease"
 
+
+def _name_consumers(m: ProducerRequest, ev: NotificationReceived, core: Core) -> str:
+    """The violation's reason with both engines named ("" is a consumer that did not say)."""
+    def name(c: str) -> str:
+        return repr(c) if c else "(not named: an older consumer)"
+
+    return (f"a second consumer engine, {name(ev.consumer)}, read this hold after {name(m.consumer)} (its params "
+            "went to two decode engines): released when every engine that notified has notified every part, or "
+            "at the lease")
+
 TABLE: Final[Table] = Table(
     "producer",
     states=(S.NEW, S.STAGED, S.HOLDING, S.RELEASED, S.EXPIRED, S.DISCARDED),
@@ -366,7 +376,8 @@ TABLE: Final[Table] = Table(
         on(S.STAGED, NotificationReceived, _bad_part,
            Go(S.STAGED, _restage, when=_of_a_later_hold, fault=remote,
               reason="staged notifications were of an earlier hold of this request id: replaced"),
-           _other_hold, Go(S.STAGED, _count, when=_another_consumer, fault=remote, reason=_two_consumers),
+           _other_hold, Go(S.STAGED, _count, when=_another_consumer, fault=remote, reason=_two_consumers,
+                           explain=_name_consumers),
            _bad_count, _dup, Go(S.STAGED, _count)),
         on(S.STAGED, Heartbeat, Go(S.STAGED, _extend_staged)),
         on(
@@ -386,7 +397,8 @@ TABLE: Final[Table] = Table(
             Go(S.RELEASED, _count_and_release, when=_completes_cleanly),
             _bad_part,
             _other_hold,
-            Go(S.HOLDING, _count, when=_another_consumer, fault=remote, reason=_two_consumers),
+            Go(S.HOLDING, _count, when=_another_consumer, fault=remote, reason=_two_consumers,
+               explain=_name_consumers),
             _bad_count,
             _dup,
             Go(S.RELEASED, _count_and_release, when=_completes),

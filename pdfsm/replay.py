@@ -185,7 +185,7 @@ _DETAIL: dict[str, tuple[str, ...]] = {
     "ReadRequested": ("remote_request_id", "engine_id", "remote_tp"),
     "HandleDone": ("pp_rank", "tp_rank"),
     "HandleFailed": ("pp_rank", "tp_rank", "why", "detail"),
-    "NotificationReceived": ("part", "of", "sender"),
+    "NotificationReceived": ("part", "of", "sender", "consumer"),
     "Heartbeat": ("extend_ns", "sender"),
     "EngineReady": ("engine_id", "pp_rank"),
     "EngineFailed": ("engine_id", "pp_rank", "error"),
