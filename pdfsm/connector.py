@@ -409,7 +409,7 @@ class Connector:
         # blocks the producer released after the first. A load still live when the count pushes it
         # out moves to _live_loads (never forgotten while live).
         self._loaded: OrderedDict[_Minting, tuple[str, int]] = OrderedDict()
-        self._live_loads: dict[_Minting, str] = {}
+        self._live_loads: dict[_Minting, tuple[str, int]] = {}
         self._live_swept = 0  # _live_loads' size after its last sweep
         # Params the count pushed out while their lease still ran, by producer engine and issue
         # time to _FORGOTTEN_NS -> the latest end of their leases: params of that engine issued in
@@ -418,14 +418,16 @@ class Connector:
         # earlier than a forgotten one, or by a producer whose clock stepped back, still loads.
         self._forgotten: dict[tuple[str, int], int] = {}
         self._forgotten_swept = 0  # its size after its last sweep
-        if predecessor is not None:  # its loads have all ended: remembered, as single-use, here too
-            self._loaded.update(predecessor._loaded)
-            self._loaded.update((key, (rid, 0)) for key, rid in predecessor._live_loads.items())
-            self._forgotten.update(predecessor._forgotten)
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
         self._writing: dict[int, str] = {}
         self._writes: dict[str, tuple[int, ...]] = {}
+        if predecessor is not None:  # its params stay single-use here, and blocks it may still write stay taken
+            self._loaded.update(predecessor._loaded)
+            self._loaded.update(predecessor._live_loads)
+            self._forgotten.update(predecessor._forgotten)
+            self._writing.update(predecessor._writing)
+            self._writes.update(predecessor._writes)
         self.last = StepOutput(step=0)
         self._closed: bool = False
 
@@ -703,11 +705,25 @@ class Connector:
 
     def _live_load(self, minting: _Minting) -> str | None:
         """The live load of these params that the remembered count already pushed out, if any."""
-        rid = self._live_loads.get(minting)
-        if rid is not None and not self._live(rid):
-            del self._live_loads[minting]
+        entry = self._live_loads.get(minting)
+        if entry is None:
             return None
-        return rid
+        if not self._live(entry[0]):
+            del self._live_loads[minting]
+            self._forget(minting, entry[1])
+            return None
+        return entry[0]
+
+    def _forget(self, minting: _Minting, end: int) -> None:
+        """Params no longer remembered: if their lease may still run, mark their issue-time slot."""
+        if not end or end + self.config.lease_margin_ns < self._wall_clock():
+            return
+        slot = (minting[0], minting[2] // _FORGOTTEN_NS)
+        self._forgotten[slot] = max(self._forgotten.get(slot, 0), end)
+        if len(self._forgotten) > 2 * self._forgotten_swept + 8:  # slots whose leases ended: amortized
+            now = self._wall_clock() - self.config.lease_margin_ns
+            self._forgotten = {k: e for k, e in self._forgotten.items() if e >= now}
+            self._forgotten_swept = len(self._forgotten)
 
     def _maybe_forgotten(self, p: KVTransferParams) -> bool:
         """``p`` was issued in a slot of its engine's forgotten params, and one of their leases may
@@ -725,20 +741,18 @@ class Connector:
         self._queued[CONSUMER].add(ev.request_id)
         issued = minting[2]
         self._loaded[minting] = (ev.request_id, issued + ev.lease_ns if issued else 0)
-        if len(self._loaded) > self.config.tombstones:
+        while len(self._loaded) > self.config.tombstones:  # one at a time, but a predecessor's may be more
             key, (rid, end) = self._loaded.popitem(last=False)
-            if end and end + self.config.lease_margin_ns >= self._wall_clock():  # its lease may still run
-                slot = (key[0], key[2] // _FORGOTTEN_NS)
-                self._forgotten[slot] = max(self._forgotten.get(slot, 0), end)
-                if len(self._forgotten) > 2 * self._forgotten_swept + 8:  # slots whose leases ended: amortized
-                    now = self._wall_clock() - self.config.lease_margin_ns
-                    self._forgotten = {k: e for k, e in self._forgotten.items() if e >= now}
-                    self._forgotten_swept = len(self._forgotten)
-            if self._live(rid):
-                self._live_loads[key] = rid
-                if len(self._live_loads) > 2 * self._live_swept:  # amortized: bounded by the live ones
-                    self._live_loads = {k: r for k, r in self._live_loads.items() if self._live(r)}
-                    self._live_swept = len(self._live_loads)
+            if not self._live(rid):
+                self._forget(key, end)
+                continue
+            self._live_loads[key] = (rid, end)  # still reading: remembered exactly, marked once it ends
+            if len(self._live_loads) > 2 * self._live_swept:  # amortized: bounded by the live ones
+                for k, (r, e) in list(self._live_loads.items()):
+                    if not self._live(r):
+                        del self._live_loads[k]
+                        self._forget(k, e)
+                self._live_swept = len(self._live_loads)
         if ev.local_blocks:
             self._writing.update(dict.fromkeys(ev.local_blocks, ev.request_id))
             self._writes[ev.request_id] = ev.local_blocks

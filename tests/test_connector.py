@@ -404,6 +404,29 @@ def test_params_forgotten_by_count_while_their_lease_runs_are_not_read_again() -
     assert recv == {"d1-late": 1} and [f.request_id for f in w.failed] == ["d1-late"]
 
 
+def test_blocks_a_predecessor_may_still_write_stay_taken() -> None:
+    """The old transport's close raised while a read whose cancel did not stop it still wrote
+    block 10 (the request never reported): its successor refuses a load into block 10, which that
+    read may still write, until the KV cache itself goes (found by review)."""
+    w = World()
+    w.now = 10**9
+    d = w.d[0]
+    w.net.script("d1", 0, 0, ReadScript(polls=10**6))
+    d.load("d1", [10], w.prefill("p1", [3]))
+    w.run(2)
+    w.dt[0].cancel_read = lambda *a: None  # type: ignore[method-assign]
+
+    def close() -> None:
+        raise RuntimeError("close failed")
+
+    w.dt[0].close = close  # type: ignore[method-assign]
+    d.shutdown()
+    new = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(w.net, "D-again"),
+                    SimHandshaker(w.net), clock=lambda: w.now, wall_clock=lambda: w.now, predecessor=d)
+    with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
+        new.load("d2", [10], w.prefill("p2", [4]))
+
+
 def test_invalid_block_ids_are_answered_once_per_get_finished() -> None:
     """A worker that asks for invalid blocks every step but collects every few steps: vLLM's
     connectors clear the set when read, and its scheduler maps each id to whoever holds the block
