@@ -411,11 +411,12 @@ class Connector:
         self._loaded: OrderedDict[_Minting, tuple[str, int]] = OrderedDict()
         self._live_loads: dict[_Minting, tuple[str, int]] = {}
         self._live_swept = 0  # _live_loads' size after its last sweep
-        # Params the count pushed out while their lease still ran, by producer engine and issue
-        # time to _FORGOTTEN_NS -> the latest end of their leases: params of that engine issued in
-        # such a slot may be ones forgotten, and are refused until those leases are over (vLLM
-        # issue 52234). Slots, not one mark per engine: a never-loaded params issued a little
-        # earlier than a forgotten one, or by a producer whose clock stepped back, still loads.
+        # Params no longer remembered while their lease may still run (vLLM issue 52234: read
+        # again, they read blocks the producer released and reused): the newest tombstones-many
+        # exactly (minting -> lease end), older ones by producer engine and issue time to
+        # _FORGOTTEN_NS (slot -> the latest lease end), refused until those leases are over. Memory
+        # stays bounded: a slot mark may also refuse never-loaded params issued in the same slot.
+        self._forgotten_exact: OrderedDict[_Minting, int] = OrderedDict()
         self._forgotten: dict[tuple[str, int], int] = {}
         self._forgotten_swept = 0  # its size after its last sweep
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
@@ -425,6 +426,7 @@ class Connector:
         if predecessor is not None:  # its params stay single-use here, and blocks it may still write stay taken
             self._loaded.update(predecessor._loaded)
             self._loaded.update(predecessor._live_loads)
+            self._forgotten_exact.update(predecessor._forgotten_exact)
             self._forgotten.update(predecessor._forgotten)
             self._writing.update(predecessor._writing)
             self._writes.update(predecessor._writes)
@@ -571,7 +573,7 @@ class Connector:
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
-        if p.issued_wall_ns and self._forgotten and self._maybe_forgotten(p):
+        if p.issued_wall_ns and (self._forgotten_exact or self._forgotten) and self._maybe_forgotten(p, minting):
             raise InvalidInput("kv_transfer_params", f"issued at {p.issued_wall_ns}, within {_FORGOTTEN_NS} ns of "
                                                      f"params of {p.remote_engine_id!r} forgotten while their lease "
                                                      f"still ran (more than tombstones={self.config.tombstones} "
@@ -715,8 +717,16 @@ class Connector:
         return entry[0]
 
     def _forget(self, minting: _Minting, end: int) -> None:
-        """Params no longer remembered: if their lease may still run, mark their issue-time slot."""
+        """Params no longer remembered as loaded: if their lease may still run, remember them as
+        forgotten, exactly while there is room, then by their issue-time slot."""
         if not end or end + self.config.lease_margin_ns < self._wall_clock():
+            return
+        exact = self._forgotten_exact
+        exact[minting] = end
+        if len(exact) <= self.config.tombstones:
+            return
+        minting, end = exact.popitem(last=False)
+        if end + self.config.lease_margin_ns < self._wall_clock():
             return
         slot = (minting[0], minting[2] // _FORGOTTEN_NS)
         self._forgotten[slot] = max(self._forgotten.get(slot, 0), end)
@@ -725,9 +735,14 @@ class Connector:
             self._forgotten = {k: e for k, e in self._forgotten.items() if e >= now}
             self._forgotten_swept = len(self._forgotten)
 
-    def _maybe_forgotten(self, p: KVTransferParams) -> bool:
-        """``p`` was issued in a slot of its engine's forgotten params, and one of their leases may
-        still run (on this wall clock, the margin allowing for skew)."""
+    def _maybe_forgotten(self, p: KVTransferParams, minting: _Minting) -> bool:
+        """``p`` are params forgotten, or issued in a slot of its engine's forgotten params, and
+        one of their leases may still run (on this wall clock, the margin allowing for skew)."""
+        end = self._forgotten_exact.get(minting)
+        if end is not None:
+            if end + self.config.lease_margin_ns >= self._wall_clock():
+                return True
+            del self._forgotten_exact[minting]  # its lease is over: a reload reads nothing
         slot = (p.remote_engine_id, p.issued_wall_ns // _FORGOTTEN_NS)
         end = self._forgotten.get(slot)
         if end is None:

@@ -377,9 +377,10 @@ def test_params_forgotten_by_count_while_their_lease_runs_are_not_read_again() -
     """vLLM issue 52234 ("consumed reference reused"): single-use params are remembered for the
     newest ``tombstones`` loads. Once that many other loads had pushed them out, the same params
     loaded again inside their lease, and the read of a block the producer had released and reused
-    was reported received with the other request's bytes. Params of that engine issued in the
-    10 ms slot of one forgotten while its lease ran are refused until those leases are over; other
-    params load as before, and after the leases end a reload is failed as lease-over, never read."""
+    was reported received with the other request's bytes. Params forgotten while their lease ran
+    are refused until it is over (exactly, for the newest ``tombstones`` of them; by a 10 ms slot of
+    issue time past that); other params load as before, and after the lease a reload is failed as
+    lease-over, never read."""
     lease = 10**9
     w = World(tombstones=4, lease_ns=lease)
     w.now = 10**9  # a wall clock that says when params were issued
@@ -425,6 +426,26 @@ def test_blocks_a_predecessor_may_still_write_stay_taken() -> None:
                     SimHandshaker(w.net), clock=lambda: w.now, wall_clock=lambda: w.now, predecessor=d)
     with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
         new.load("d2", [10], w.prefill("p2", [4]))
+
+
+def test_params_forgotten_past_the_exact_marks_are_refused_by_their_issue_slot() -> None:
+    """With more forgotten params than ``tombstones`` exact marks, the oldest keep a mark of their
+    engine and 10 ms of issue time: still refused; params of another slot load."""
+    w = World(tombstones=1, lease_ns=10**9)
+    w.now = 10**9
+    d = w.d[0]
+    first = w.prefill("p0", [3])
+    d.load("d0", [10], first)
+    w.run(6)  # reported: no longer live when it is pushed out
+    for i in range(1, 4):  # each 10 ms apart: d0 is pushed from loaded, to exact, to its slot
+        w.now += 10_000_000
+        d.load(f"d{i}", [10 + i], w.prefill(f"p{i}", [3 + i]))
+        w.run(6)
+    assert ("P", 10**9 // 10_000_000) in d._forgotten and len(d._forgotten_exact) == 1
+    with pytest.raises(InvalidInput, match="forgotten while their lease still ran"):
+        d.load("again", [20], first)
+    w.now += 10_000_000
+    d.load("fresh", [21], w.prefill("p9", [9]))
 
 
 def test_invalid_block_ids_are_answered_once_per_get_finished() -> None:
