@@ -288,6 +288,30 @@ def _wait(sock: socket.socket, events: int, deadline: float, stop: socket.socket
         raise TimeoutError
 
 
+def _connect(addresses: list[Any], until: float, stop: socket.socket | None) -> socket.socket:
+    """A connected non-blocking socket to the first of a name's addresses that accepts, within one
+    connect budget. A name may resolve to several (localhost to ::1 and 127.0.0.1, a DNS name to
+    AAAA and A records) while the listener serves one: trying only the first refused the handshake
+    (SGLang PR 29459, Dynamo PR 5443). Raises the last address's error."""
+    error: OSError = ConnectionRefusedError(errno.ECONNREFUSED, "no address to connect to")
+    for family, _, _, _, addr in addresses:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(addr)
+            if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+                _wait(sock, select.POLLOUT, until, stop)
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except BaseException:
+            sock.close()
+            raise
+        if not err:
+            return sock
+        sock.close()
+        error = OSError(err, os.strerror(err))  # ECONNREFUSED makes a ConnectionRefusedError
+    raise error
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float, stop: socket.socket | None) -> bytearray:
     buf = bytearray(n)  # n was checked against a cap by the caller
     view, got = memoryview(buf), 0
@@ -594,17 +618,10 @@ def fetch_reply(host: str, port: int, *, engine_id: str, pp_rank: int, secret: b
         if type(port) is not int or not 0 < port <= 65535:
             raise SideChannelError("invalid", f"{where}: port must be 1..65535")
         try:
-            family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (UnicodeError, OverflowError, ValueError) as exc:  # a host no resolver takes, a port out of range
             raise SideChannelError("invalid", f"{where}: cannot resolve: {exc}") from None
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        err = sock.connect_ex(addr)
-        if err in (errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
-            _wait(sock, select.POLLOUT, min(deadline, start + connect_timeout), stop)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            raise OSError(err, os.strerror(err))
+        sock = _connect(addresses, min(deadline, start + connect_timeout), stop)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         phase = "exchange"
         _send_all(sock, pack_frame(body, secret=key, kind="request"), deadline, stop)

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -616,3 +617,25 @@ def test_fuzzed_listeners_still_serve(fuzz_servers: dict[str, SideChannelServer]
                        secret=SECRET) == reply_for(0)
     for s in fuzz_servers.values():
         assert s.alive and s.stats()["crashes"] == 0
+
+
+def test_a_handshake_reaches_a_listener_on_any_of_the_names_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name resolving to several addresses (localhost to ::1 then 127.0.0.1 on dual-stack hosts,
+    a DNS name with AAAA and A records) whose listener serves one of them: the client tried only
+    the first, and the handshake was refused (SGLang PR 29459, Dynamo PR 5443; found by review).
+    Every address is tried within the one connect budget."""
+    with SideChannelServer(make_reply, host="127.0.0.1") as srv:
+        real = socket.getaddrinfo
+
+        def dual_stack(host: str, port: int, *a: Any, **kw: Any) -> list[Any]:
+            if host == "dualstack.test":
+                return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+            return real(host, port, *a, **kw)
+
+        monkeypatch.setattr(socket, "getaddrinfo", dual_stack)
+        assert fetch_reply("dualstack.test", srv.port, engine_id="P", pp_rank=0, timeout=2).engine_id == "P"
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **kw: [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 1))])  # nothing listens there
+        with pytest.raises(SideChannelError, match="refused"):
+            fetch_reply("dualstack.test", srv.port, engine_id="P", pp_rank=0, timeout=2)

@@ -518,3 +518,33 @@ def test_transport_without_pp_refuses_and_the_connector_never_asks() -> None:
 def test_torch_v1_metadata_still_decodes() -> None:
     old = msgspec.msgpack.encode(TorchRankMetadataV1(((64, 4), (64, 4))))
     assert decode_torch_metadata(old) == TorchRankMetadata(((64, 4, 0), (64, 4, 1)))
+
+
+def test_a_reply_of_a_process_replaced_before_add_peer_is_refused() -> None:
+    """Producer process A answers the handshake, then restarts as B under the same agent name before
+    the consumer's AddPeer (found by review; the class of vLLM PR 55471): the torch transport bound
+    the reply to whatever process held the name then, read B's blocks and reported them done.
+    add_peer checks the reply's incarnation: refused, nothing read from B (the simulated transport
+    checks the same)."""
+    net = TorchNetwork()
+    a = TorchTransport(net, "p", random_kv(1, 16, 4096, seed=1))
+    stale = HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(a.rank_info(),))
+    a.close()
+    b = TorchTransport(net, "p", random_kv(1, 16, 4096, seed=2))
+    d = TorchTransport(net, "d", zero_kv(1, 16, 4096))
+    try:
+        with pytest.raises(TransportError, match="restarted since its handshake reply"):
+            d.add_peer(("P", 0), stale)
+        d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(b.rank_info(),)))
+        assert d.peers[("P", 0)][0].incarnation == b.incarnation
+        sim_net = SimNetwork()
+        from transports.sim import SimTransport
+
+        q = SimTransport(sim_net, "q")  # a reply of an earlier process under q's name:
+        earlier = msgspec.structs.replace(q.rank_info(), incarnation="sim-earlier")
+        sim_stale = HandshakeReply(engine_id="Q", compat_hash="", tp_size=1, ranks=(earlier,))
+        with pytest.raises(TransportError, match="restarted since its handshake reply"):
+            SimTransport(sim_net, "r").add_peer(("Q", 0), sim_stale)
+    finally:
+        d.close()
+        b.close()

@@ -196,8 +196,10 @@ class SimTransport:
         refuse_pp(self.capabilities, self.agent, key[1])
         ranks: dict[int, str] = {}
         for info in reply.ranks:
-            if info.agent not in self.network.agents or info.agent in self.network.dead:
-                raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
+            peer = None if info.agent in self.network.dead else self.network.agents.get(info.agent)
+            if peer is None or info.incarnation not in ("", peer.incarnation):  # restarted since its reply
+                raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable, or restarted "
+                                     "since its handshake reply")
             ranks[info.tp_rank] = info.agent
         self.peers[key] = ranks
         self._attempts[key] = attempt

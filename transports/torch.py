@@ -246,9 +246,12 @@ class TorchTransport:
         for info in reply.ranks:
             if info.pp_rank != key[1]:
                 continue
-            peer = self.network.reachable(info.agent)
+            # The process the reply describes: one restarted under the same name since (between the
+            # handshake and this call) has other memory, and reading it returned its blocks.
+            peer = self.network.reachable(info.agent, info.incarnation or None)
             if peer is None:
-                raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable")
+                raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable, or restarted "
+                                     "since its handshake reply")
             try:
                 meta = decode_torch_metadata(info.metadata)
             except (msgspec.DecodeError, RecursionError) as exc:  # a value nested too deeply to skip
