@@ -870,21 +870,32 @@ class Connector:
         raises :class:`~pdfsm.errors.ConnectorClosed` but this one, which returns the same."""
         if self._closed:
             return self.last
-        self.step()  # requests loaded this step are applied first: they are aborted like the rest
-        waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
-        for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
-            self.abort(rid)
-        self.step()
+        try:
+            self.step()  # requests loaded this step are applied first: they are aborted like the rest
+            waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
+            for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
+                self.abort(rid)
+            self.step()
+        except Exception:
+            # The log could not be written (a full disk): nothing can be reported, but the
+            # transport still stops, so no read writes blocks the embedder is about to free.
+            self._closed = True
+            with self.core.log.owner_waiting():
+                self._close_parts()
+            raise
         with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
-            for part in (self.handshaker, self.transport):
-                try:
-                    part.close()
-                except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
-                    _log.exception("close failed", part=type(part).__name__)
+            self._close_parts()
         self.get_finished()
         self._closed = True
         self.core.log.close()
         return self.last
+
+    def _close_parts(self) -> None:
+        for part in (self.handshaker, self.transport):
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
+                _log.exception("close failed", part=type(part).__name__)
 
     # --- carrying out commands ------------------------------------------------------------------
 

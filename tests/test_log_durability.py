@@ -652,3 +652,44 @@ def test_a_torn_last_frame_whose_payload_embeds_frame_bytes_is_still_a_torn_tail
         read_log(directory)
     rec = recover(directory)
     assert rec.next_seq == 5 and read_log(directory) == _records(0, 5)
+
+
+def test_shutdown_after_a_log_write_failure_still_stops_the_transport(tmp_path: Path) -> None:
+    """A durable log whose writer hit a full disk while a decode read ran (found by review):
+    shutdown() raised LogWriteError before closing the transport, so the read went on writing
+    blocks the embedder was about to free. It still raises (nothing can be reported), and the
+    transport is closed first: the read is cancelled, the Connector closed."""
+    from helpers import reply
+
+    from pdfsm.connector import Connector
+    from pdfsm.errors import ConnectorClosed
+    from pdfsm.filesink import FileSink, FsyncPolicy
+    from pdfsm.log import EventLog
+    from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
+
+    net, now = SimNetwork(), [10**9]
+
+    def clock() -> int:
+        return now[0]
+
+    pt = SimTransport(net, "P-0")
+    pt.fill(range(64))
+    p = Connector(CoreConfig(engine_id="P", compat_hash="h"), pt, SimHandshaker(net), clock=clock,
+                  wall_clock=clock, port=9)
+    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(pt.rank_info(),)))
+    sink = FileSink(tmp_path / "d", fsync=FsyncPolicy.never())
+    dt = SimTransport(net, "D-0")
+    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), dt, SimHandshaker(net), clock=clock,
+                  wall_clock=clock, log=EventLog(sink=sink))
+    net.script("d1", 0, 0, ReadScript(polls=1000))
+    d.load("d1", [5, 6], p.request_finished("p1", [1, 2]))
+    for _ in range(3):
+        now[0] += 1000
+        d.step()
+    assert dt.reads
+    sink._error = OSError(errno.ENOSPC, "No space left on device")  # the writer thread's failure
+    with pytest.raises(LogWriteError):
+        d.shutdown()
+    assert not dt.reads and "D-0" in net.dead  # closed: the read cancelled, the agent gone
+    with pytest.raises(ConnectorClosed):
+        d.get_finished()
