@@ -316,9 +316,8 @@ def _disagrees_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core:
 
 def _engines_pending(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """A stage not connected, or stalled: the engine table decides (handshake, or fail fast)."""
-    engines, eid = core.engines, ev.engine_id
-    return not all((e := engines.get((eid, pp))) is not None and e.usable
-                   for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks)
+    eid = ev.engine_id
+    return not all(core.engine_usable((eid, pp)) for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks)
 
 
 def _nothing_to_read(m: ConsumerRequest, ev: object, core: Core) -> bool:
@@ -345,9 +344,8 @@ def _held_engine_lost(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """An engine of the plan, other than the one now ready, is no longer connected, or stalled."""
     if m.plan is None or m.req is None or len(m.plan.pp_ranks) == 1:
         return False
-    eid, engines = m.req.engine_id, core.engines
-    return not all((e := engines.get((eid, pp))) is not None and e.usable
-                   for pp in m.plan.pp_ranks if pp != ev.pp_rank)
+    eid = m.req.engine_id
+    return not all(core.engine_usable((eid, pp)) for pp in m.plan.pp_ranks if pp != ev.pp_rank)
 
 
 def _bit(m: ConsumerRequest, ev: HandleDone | HandleFailed) -> int:

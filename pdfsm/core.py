@@ -479,6 +479,11 @@ class Core:
         e = self.engines.get(key)
         return e is not None and e.state is engine.S.CONNECTED and not e.elsewhere(host, port)
 
+    def engine_usable(self, key: EngineKey) -> bool:
+        """Connected and not stalled: a request may read from it now (RemoteEngine.usable)."""
+        e = self.engines.get(key)
+        return e is not None and e.usable
+
     def watch(self, request_id: str, key: EngineKey, host: str, port: int, t_ns: int) -> None:
         self.derive(EngineWanted(source=Source.CORE, t_ns=t_ns, engine_id=key[0], pp_rank=key[1],
                                  request_id=request_id, host=host, port=port))

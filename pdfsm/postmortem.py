@@ -39,8 +39,6 @@ from typing import Any, Final, Protocol
 
 from pdfsm.events import CoreConfig, Started
 from pdfsm.filelog import (
-    FRAME,
-    FRAME_MARKER,
     LOCK_NAME,
     MAGIC,
     CorruptLogError,
@@ -48,7 +46,8 @@ from pdfsm.filelog import (
     LogError,
     LogReader,
     UnsupportedVersionError,
-    crc32c,
+    _Unclassified,
+    _valid_frame_after,
     read_header,
     segment_paths,
     segment_start,
@@ -397,35 +396,28 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     return out
 
 
-_CHECK_BUDGET: Final = 256 << 20  # frame bytes CRC-checked while deciding a file holds no log at all
-
-
 def _log_bytes_in(files: Sequence[Path]) -> bool:
     """Whether any of the files holds bytes of a log: the segment magic, or a frame whose CRC holds.
     A file with neither (a text file named by mistake) is no log (exit 6); a log damaged at its
-    start still has them, and is corrupt (exit 4). Past the budget of bytes checked (frame-shaped
-    noise claiming large payloads) the answer is yes: damage is never called "not a log" on a guess."""
-    budget = [_CHECK_BUDGET]
-    return any(_log_bytes_in_file(f, budget) for f in files)
+    start still has them, and is corrupt (exit 4). Past the scan's budget of bytes checked
+    (frame-shaped noise claiming large payloads) the answer is yes: damage is never called "not a
+    log" on a guess."""
+    return any(_log_bytes_in_file(f) for f in files)
 
 
-def _log_bytes_in_file(path: Path, budget: list[int]) -> bool:
-    if path.stat().st_size == 0:  # mmap refuses an empty file, and there is nothing in it
+def _log_bytes_in_file(path: Path) -> bool:
+    size = path.stat().st_size
+    if size == 0:  # mmap refuses an empty file, and there is nothing in it
         return False
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        if m.find(MAGIC) != -1:
+    with path.open("rb") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m.find(MAGIC) != -1:
+                return True
+        try:  # the reader's own search for a frame after damage, here from the first byte
+            return _valid_frame_after(f.fileno(), -1, size, size, claimed_end=0, link=None, seq=None,
+                                      follows=None) is not None
+        except _Unclassified:
             return True
-        at = m.find(FRAME_MARKER)
-        while at != -1:
-            if len(m) - at >= FRAME.size:
-                _marker, crc, length, _count, prev_crc, *_ = FRAME.unpack_from(m, at)
-                if length <= len(m) - at - FRAME.size:
-                    budget[0] -= length
-                    # The frame's CRC covers bytes 8.. of its header and its payload, seeded with prev_crc.
-                    if budget[0] < 0 or crc32c(m[at + 8:at + FRAME.size + length], prev_crc) == crc:
-                        return True
-            at = m.find(FRAME_MARKER, at + 1)
-    return False
 
 
 def _later_segment(path: Path) -> Path | None:

@@ -72,8 +72,8 @@ def _kept_none(rec: Record) -> bool:
 _HANDED_BACK: dict[str, str] = {"NOTIFIED": "received", "FAILED": "failed", "ABORTED": "aborted"}
 _PRODUCER_END: dict[str, str] = {"RELEASED": "released", "EXPIRED": "expired", "DISCARDED": "discarded"}
 OUTCOMES: dict[str, tuple[str, ...]] = {
-    "consumer": ("received", "failed", "aborted", "notify_only"),
-    "producer": ("released", "expired", "discarded"),
+    "consumer": (*_HANDED_BACK.values(), "notify_only"),
+    "producer": tuple(_PRODUCER_END.values()),
 }
 """The outcomes :func:`finished_as` names, per machine kind."""
 
@@ -310,9 +310,8 @@ def summarize(records: Iterable[Record], *, at: int | None = None, timelines: bo
 def duration(ns: int) -> str:
     """A span in words, in a unit that shows it: logs of simulations and of the race tester span
     micro- or nanoseconds, which "0.0 ms" would hide."""
-    if abs(ns) >= 1_000_000:
-        return f"{ns / 1e6:.1f} ms"
-    return f"{ns / 1e3:.1f} us" if abs(ns) >= 1_000 else f"{ns} ns"
+    unit, per, _ = time_unit(ns)
+    return f"{ns} ns" if per == 1 else f"{ns / per:.1f} {unit}"
 
 
 def time_unit(span_ns: int) -> tuple[str, int, int]:

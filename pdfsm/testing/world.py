@@ -153,12 +153,11 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
         unknown = self.faults - FAULTS - EXTRA_FAULTS
         if unknown:  # a misspelt fault would quietly be searched without
             raise ValueError(f"unknown faults {sorted(unknown)}: known are {sorted(FAULTS | EXTRA_FAULTS)}")
-        # A size of 0 made a world with no rank to check (every hunt passed) or failed mid-search.
-        for name in ("requests", "blocks", "consumer_tp", "producer_tp", "producer_pp", "max_steps"):
-            _check_int(name, getattr(self, name), 1, _MAX_UNITS)
-        # The times CoreConfig's check (pdfsm.connector._check_config) refuses, refused here too:
+        # A size of 0 made a world with no rank to check (every hunt passed) or failed mid-search;
+        # the times CoreConfig's check (pdfsm.connector._check_config) refuses are refused here too:
         # a lease or read timeout of 0 made every read fail at once, and every hunt pass.
-        for name in ("lease_ns", "read_timeout_ns"):
+        for name in ("requests", "blocks", "consumer_tp", "producer_tp", "producer_pp", "max_steps",
+                     "lease_ns", "read_timeout_ns"):
             _check_int(name, getattr(self, name), 1, _MAX_UNITS)
         for name in ("lease_margin_ns", "handshake_retry_ns", "tombstone_ns", "idle_engine_ns", "cancel_grace_ns",
                      "max_staged"):
@@ -606,8 +605,7 @@ class World:
         """Time passes by ``dt`` units; every core whose timer keeps up is ticked."""
         self.now += dt
         self.last_tick_ns = self.t_ns
-        behind = self.behind
-        self.ticked = tuple(name for name in self._names if name not in behind) if behind else self._names
+        self.ticked = tuple(name for name in self._names if name not in self.behind)
         for name in self.ticked:
             self.apply(name, self._ev(Tick))
 
@@ -636,9 +634,6 @@ class World:
     def _cores(self) -> list[Core]:
         return [*self.consumers, *self.producers.values()]
 
-    def _core_names(self) -> list[str]:
-        return list(self._names)
-
     def _abort(self, rid: str) -> None:
         self.aborts[rid] = self.aborts.get(rid, 0) + 1
         for rank in range(self.s.consumer_tp):
@@ -651,7 +646,7 @@ class World:
         self.heartbeats += 1
         if self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
             self.lease_seen[i] = self.now
-        for name in self._core_names()[self.s.consumer_tp:]:
+        for name in self._names[self.s.consumer_tp:]:
             self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS))
 
     def _evict(self) -> None:
@@ -729,7 +724,7 @@ class World:
     def _forge(self) -> None:
         again = "forge" in self.faults_used
         self.faults_used.add("forge again" if again else "forge")
-        name = self._core_names()[self.s.consumer_tp]
+        name = self._names[self.s.consumer_tp]
         self.apply(name, self._ev(NotificationReceived, request_id="forged2" if again else "forged", part=0, of=1,
                                   sender="mallory"))
 
