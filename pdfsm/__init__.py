@@ -1,1 +1,73 @@
-"""pdfsm: KV-cache transfer for prefill/decode disaggregated serving, correct by construction."""
+"""pdfsm: KV-cache transfer for prefill/decode disaggregated serving, correct by construction.
+
+The hot path may be compiled with mypyc (setup.py). A compiled module is loaded only while its
+source is the one it was built from (the build's stamp says which): an edited source, or
+``PDFSM_PURE_PYTHON=1`` at run time, loads the ``.py`` files instead. ``HOT_PATH`` says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Final
+
+_HERE: Final = Path(__file__).parent
+
+
+def _built_modules() -> set[str]:
+    """The modules of this package that have a compiled build beside their source."""
+    return {f"{__name__}.{p.name.split('.')[0]}" for suffix in importlib.machinery.EXTENSION_SUFFIXES
+            for p in _HERE.glob(f"*{suffix}") if (_HERE / f"{p.name.split('.')[0]}.py").exists()}
+
+
+def _stale(built: set[str]) -> str:
+    """Why the compiled build must not be loaded, or "" when it may."""
+    if os.environ.get("PDFSM_PURE_PYTHON") == "1":
+        return "PDFSM_PURE_PYTHON=1"
+    try:
+        stamped: dict[str, str] = json.loads((_HERE / "_compiled.json").read_text())["modules"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no stamp of the sources it was built from"
+    if set(stamped) != built:
+        return "the compiled modules are not the ones stamped"
+    for name, digest in stamped.items():
+        source = _HERE / f"{name.rpartition('.')[2]}.py"
+        if hashlib.sha256(source.read_bytes()).hexdigest() != digest:
+            return f"{source.name} changed since it was compiled (reinstall to compile it again)"
+    return ""
+
+
+class _Sources(importlib.abc.MetaPathFinder):
+    """Finds the named modules' ``.py`` files ahead of their compiled build."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        return importlib.util.spec_from_file_location(fullname, _HERE / f"{fullname.rpartition('.')[2]}.py")
+
+
+def _choose() -> str:
+    built = _built_modules()
+    if not built:
+        return "pure Python (not compiled)"
+    why = _stale(built)
+    if not why:
+        return f"compiled with mypyc ({len(built)} modules)"
+    sys.meta_path.insert(0, _Sources(built))
+    return f"pure Python ({why})"
+
+
+HOT_PATH: Final = _choose()
+COMPILED: Final = HOT_PATH.startswith("compiled")

@@ -174,6 +174,9 @@ class Core:
         self._commands: list[Command] = []
         self._derived: deque[Event] = deque()  # events the core concluded, applied after their cause
         self._one: deque[Event] = deque()  # apply()'s queue of one
+        # What the loop was applying when a guard or action raised: (exception, event, machine or
+        # None, cause), for tools that record the crash (the race tester); the innermost loop's.
+        self.crash: tuple[BaseException, Event, Any, int | None] | None = None
         self._pumping: int | None = None  # the thread in pump(), if any
         # Bound methods, not wrappers: one Python frame less on every event (see benchmarks/apply.py).
         self.submit: Final = self.log.submit  # any thread; pump() applies on the owner thread
@@ -269,9 +272,12 @@ class Core:
         debug = self._debug
         first = seq = log.next_seq
         n_derived = 0
+        ev: Event | None = None
+        m: Any = None
         try:
             while queue:
                 ev = popleft()
+                m = None
                 try:
                     machines, cells, by_engine, name, make, remembered, target = routes[type(ev)]
                 except KeyError:  # not an event type any table or the core knows: the core records it
@@ -284,7 +290,7 @@ class Core:
                         seq = log.next_seq
                 else:
                     key = (ev.engine_id, ev.pp_rank) if by_engine else ev.request_id  # type: ignore[attr-defined]
-                    m: Any = machines.get(key)
+                    m = machines.get(key)
                     stored = m is not None
                     if not stored:
                         m = make(key)
@@ -347,6 +353,10 @@ class Core:
                         seq = log.next_seq  # its records (and those before it) were made: never reuse their seqs
                         raise
                     seq = log.next_seq
+        except BaseException as exc:
+            if ev is not None and (self.crash is None or self.crash[0] is not exc):  # not one seen inside
+                self.crash = (exc, ev, m, cause)
+            raise
         finally:
             log.next_seq = seq
         return seq - first - n_derived  # one record per event applied

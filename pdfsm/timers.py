@@ -11,9 +11,12 @@ from __future__ import annotations
 import bisect
 import heapq
 
+from mypy_extensions import mypyc_attr
+
 __all__ = ["Timers"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the race tester's planted bugs subclass it (mutants.py)
 class Timers:
     """Keyed deadlines, bucketed in slots of ``2**shift`` ns (16.8 ms by default).
 

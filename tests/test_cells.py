@@ -195,7 +195,8 @@ def _add_waiter(core: Core) -> None:
 
 def _snapshot(m: Any) -> dict[str, Any]:
     """Every slot; containers copied (states are compared by identity, so never copied)."""
-    values = {name: getattr(m, name) for name in type(m).__slots__}
+    names = getattr(type(m), "__slots__", None) or type(m).__mypyc_attrs__  # the compiled build's slots
+    values = {name: getattr(m, name) for name in names}
     return {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v for k, v in values.items()}
 
 

@@ -240,7 +240,7 @@ def test_loads_from_another_thread_while_one_steps_are_refused_between_its_pump_
     rig = _GatedRig()
     p1, p2 = rig.p.request_finished("p1", [1]), rig.p.request_finished("p2", [2])
     core, dt = rig.d.core, rig.dt
-    real_pump, real_progress = core.pump, dt.progress
+    real_progress = dt.progress
     gates = {name: (threading.Event(), threading.Event()) for name in ("pumped", "progress")}
     a_ident: list[int] = []
 
@@ -251,16 +251,18 @@ def test_loads_from_another_thread_while_one_steps_are_refused_between_its_pump_
                 entered.set()
                 release.wait(BOUND)
 
-    def pump() -> int:
-        n = real_pump()
-        hold("pumped")
-        return n
+    class PumpedThenHeld(dict[int, set[str]]):
+        """The step's bookkeeping right after its pump reads this first: A holds there."""
+
+        def values(self) -> Any:
+            hold("pumped")
+            return super().values()
 
     def progress() -> None:
         hold("progress")
         real_progress()
 
-    core.pump = pump  # type: ignore[method-assign]
+    rig.d._queued = PumpedThenHeld(rig.d._queued)
     dt.progress = progress  # type: ignore[method-assign]
 
     def a() -> None:

@@ -75,8 +75,6 @@ from pdfsm.log import EventLog, MemorySink, Outcome, Record
 from pdfsm.timers import Timers
 from pdfsm.wire import Notification
 
-_DRAIN: Final = Core._drain.__code__  # the core's event loop, where a crash's event is found
-
 # Who stamps each event the world makes, as in production: a counterexample's trace then puts
 # each on its thread's track.
 _SOURCES: Final[dict[type, str]] = {
@@ -219,19 +217,13 @@ def _record_crash(core: Core, ev: Event, exc: BaseException) -> int:
     changed nothing, and return its seq. The core's hot loop has no handler (actions never
     raise), so the crash left no record: the dump would replay cleanly, the request simply
     stuck where it was. The event that raised, maybe one the root derived, and its machine are
-    in the innermost frame of that loop."""
+    what the loop left in ``core.crash``."""
     machine, before, cause, crashed = "core", "-", None, ev
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code is _DRAIN and "ev" in frame.f_locals:
-            where = frame.f_locals
-            crashed, cause = where["ev"], where.get("cause")
-            route = core._routes.get(type(crashed))  # the machine the loop picked for it
-            m = where.get("m")
-            if route is not None and route[4] is not None and m is not None:
-                machine, before = route[3], m.state.name
-        tb = tb.tb_next
+    if core.crash is not None and core.crash[0] is exc:
+        _, crashed, m, cause = core.crash
+        route = core._routes.get(type(crashed))  # the machine the loop picked for it
+        if route is not None and route[4] is not None and m is not None:
+            machine, before = route[3], m.state.name
     core.log.append(crashed, machine, before, before, Outcome.REJECTED,
                     f"crashed: {type(exc).__name__}: {exc}", Fault.LOCAL, cause)
     core.log.flush()

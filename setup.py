@@ -1,0 +1,68 @@
+"""Build: the hot path (the machines, their tables and the core's loop) compiled with mypyc.
+
+The compiled modules are the very same typed sources (mypy strict passes on them), so the
+package is correct without them: when mypyc or a C compiler is missing, or PDFSM_PURE_PYTHON=1
+is set at build time, the build goes on pure Python and says so. A stamp of the sources the
+extensions were built from lets ``pdfsm/__init__.py`` load them only while those sources are
+unchanged: an edited module in an editable checkout is never shadowed by a stale build.
+See docs/decisions.md ("The hot path is compiled").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# The modules every applied event runs through. None may define a msgspec Struct: mypyc drops its
+# class keywords (frozen=True, gc=False; tests/test_compiled.py checks).
+HOT = ("core", "consumer", "producer", "engine", "fsm", "timers")
+STAMP = "_compiled.json"
+SOURCES = {f"pdfsm.{m}": Path("pdfsm", f"{m}.py") for m in HOT}
+
+
+def stamp(sources: dict[str, Path]) -> str:
+    digests = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in sources.items()}
+    return json.dumps({"modules": digests}, indent=1, sort_keys=True)
+
+
+class BuildHotPath(build_ext):
+    """Asks mypyc for the extensions only when a build runs (not when pip merely asks for
+    metadata), builds them, and writes the stamp beside them; any failure leaves pure Python."""
+
+    def finalize_options(self) -> None:
+        self.distribution.ext_modules = []
+        if os.environ.get("PDFSM_PURE_PYTHON") == "1":
+            print("pdfsm: PDFSM_PURE_PYTHON=1, building pure Python")
+        else:
+            try:
+                from mypyc.build import mypycify
+
+                self.distribution.ext_modules = mypycify([str(p) for p in SOURCES.values()], group_name="pdfsm.hot")
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 (a failure to compile leaves a working package)
+                print(f"pdfsm: mypyc failed ({type(exc).__name__}: {exc}); building pure Python")
+        super().finalize_options()
+
+    def run(self) -> None:
+        out = Path("pdfsm") if self.inplace else Path(self.build_lib, "pdfsm")
+        (out / STAMP).unlink(missing_ok=True)
+        for suffix in EXTENSION_SUFFIXES:  # an earlier build's, maybe of a module no longer compiled
+            for old in out.glob(f"*{suffix}"):
+                old.unlink()
+        if not self.extensions:
+            return
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 (no C compiler, say: the package works without)
+            print(f"pdfsm: the hot path was not compiled ({type(exc).__name__}: {exc}); building pure Python")
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STAMP).write_text(stamp(SOURCES))
+
+
+setup(ext_modules=[Extension("pdfsm.hot__placeholder", sources=[])], cmdclass={"build_ext": BuildHotPath})
