@@ -21,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 
 # The modules every applied event runs through. None may define a msgspec Struct: mypyc drops its
 # class keywords (frozen=True, gc=False; tests/test_compiled.py checks).
-HOT = ("core", "consumer", "producer", "engine", "fsm", "timers")
+HOT = ("core", "consumer", "producer", "engine", "fsm", "timers", "log")
 STAMP = "_compiled.json"
 SOURCES = {f"pdfsm.{m}": Path("pdfsm", f"{m}.py") for m in HOT}
 

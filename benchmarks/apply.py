@@ -43,6 +43,7 @@ from typing import Any
 
 import structlog
 
+import pdfsm
 from pdfsm.commands import FinishedSending, HandOff, PostRead
 from pdfsm.core import Core
 from pdfsm.events import (
@@ -409,6 +410,7 @@ def measure(requests: int, rounds: int, sink: bool) -> dict[str, Any]:
         "ratio_vs_vllm_style": t_pdfsm / t_base,
         "records_per_request": records / requests,
         "with_sink": sink,
+        "hot_path": pdfsm.HOT_PATH,  # compiled with mypyc, or pure Python and why (setup.py)
     }
 
 
@@ -425,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     print(f"apply: {args.requests} requests x {args.rounds} rounds, both sides, "
-          f"{out['records_per_request']:.2f} records per request (medians)")
+          f"{out['records_per_request']:.2f} records per request (medians); pdfsm {out['hot_path']}")
     print(f"{'':24s}{'events/s':>14s}{'ns/event':>12s}")
     print(f"{'pdfsm (apply + log)':24s}{out['events_per_s']:14,.0f}{out['ns_per_event']:12.0f}")
     print(f"{'dict baseline':24s}{out['baseline_events_per_s']:14,.0f}{out['baseline_ns_per_event']:12.0f}")

@@ -27,22 +27,18 @@ import contextlib
 import enum
 import threading
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
-from typing import Any, Final, Protocol
-
-import msgspec
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Final
 
 from pdfsm.errors import InvalidInput
-from pdfsm.events import Event, EventType
+from pdfsm.events import Event
 from pdfsm.fsm import Fault
+from pdfsm.records import MemorySink, Outcome, Record, Row, Sink
 
 __all__ = ["EventLog", "MemorySink", "Outcome", "Overflow", "Record", "Row", "Sink"]
 
-
-class Outcome(enum.IntEnum):
-    APPLIED = 0
-    IGNORED = 1
-    REJECTED = 2
+_NONE: Final[Mapping[str, int]] = MappingProxyType({})
 
 
 class Overflow(enum.Enum):
@@ -50,73 +46,6 @@ class Overflow(enum.Enum):
 
     BLOCK = "block"
     COUNT = "count"
-
-
-Row = tuple[int, Event, str, str, str, int, str, "str | None", "int | None"]
-"""A record as stored: (seq, event, machine, before, state, outcome, reason, fault, cause).
-
-Only atoms (ints, strings, None, GC-untracked events) so the garbage collector untracks the
-tuple and never walks the window again; ``outcome`` is an :class:`Outcome` value and
-``fault`` a :class:`~pdfsm.fsm.Fault` value."""
-
-
-class Record(msgspec.Struct, frozen=True, gc=False, array_like=True):
-    """One applied, ignored or rejected event and the state its machine was left in."""
-
-    seq: int
-    event: EventType
-    machine: str  # "consumer", "producer", "engine" or "core"
-    before: str
-    state: str
-    outcome: Outcome
-    reason: str = ""
-    fault: Fault | None = None
-    cause: int | None = None  # derived events: the seq of the root event that caused them
-
-    @property
-    def violation(self) -> bool:
-        """Rejected with a fault, or a legal transition that handled somebody's fault."""
-        return self.fault is not None
-
-    @property
-    def root(self) -> bool:
-        return self.cause is None
-
-    def row(self) -> Row:
-        return (self.seq, self.event, self.machine, self.before, self.state, int(self.outcome),
-                self.reason, None if self.fault is None else self.fault.value, self.cause)
-
-    @classmethod
-    def of(cls, row: Sequence[Any]) -> Record:
-        """The typed view of a stored row."""
-        seq, event, machine, before, state, outcome, reason, fault, cause = row
-        return cls(seq, event, machine, before, state, Outcome(outcome), reason,
-                   None if fault is None else Fault(fault), cause)
-
-
-class Sink(Protocol):
-    """Where records go besides the in-memory window: the durable file log, a test list."""
-
-    def write(self, rows: Sequence[Row]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class MemorySink:
-    """Keeps every record; for tests, examples and short runs."""
-
-    def __init__(self) -> None:
-        self.rows: list[Row] = []
-
-    def write(self, rows: Sequence[Row]) -> None:
-        self.rows.extend(rows)
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def records(self) -> list[Record]:
-        return [Record.of(row) for row in self.rows]
 
 
 class EventLog:
@@ -222,10 +151,10 @@ class EventLog:
             self.unsunk.append(row)
         return row
 
-    def take_dropped(self) -> Counter[str]:
+    def take_dropped(self) -> Mapping[str, int]:
         """Counts of events refused since the last call (COUNT policy). Owner thread only."""
         if not self._dropped:
-            return Counter()
+            return _NONE  # every pump asks: no allocation for the common answer
         with self._room:
             dropped, self._dropped = self._dropped, Counter()
         return dropped
