@@ -23,25 +23,29 @@ _HERE: Final = Path(__file__).parent
 
 
 def _built_modules() -> set[str]:
-    """The modules of this package that have a compiled build beside their source."""
-    return {f"{__name__}.{p.name.split('.')[0]}" for suffix in importlib.machinery.EXTENSION_SUFFIXES
-            for p in _HERE.glob(f"*{suffix}") if (_HERE / f"{p.name.split('.')[0]}.py").exists()}
+    """The modules of this package with a build for this interpreter beside their source."""
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]  # the one mypyc builds (cpython-311-...so)
+    return {f"{__name__}.{p.name[:-len(suffix)]}" for p in _HERE.glob(f"*{suffix}")
+            if (_HERE / f"{p.name[:-len(suffix)]}.py").exists()}
 
 
 def _stale(built: set[str]) -> str:
-    """Why the compiled build must not be loaded, or "" when it may."""
+    """Why the compiled build must not be loaded, or "" when it may. Every source of the package
+    counts, not only the compiled ones: mypyc copies other modules' constants into them."""
     if os.environ.get("PDFSM_PURE_PYTHON") == "1":
         return "PDFSM_PURE_PYTHON=1"
     try:
-        stamped: dict[str, str] = json.loads((_HERE / "_compiled.json").read_text())["modules"]
+        stamped = json.loads((_HERE / "_compiled.json").read_text())
+        modules, sources = set(stamped["modules"]), dict(stamped["sources"])
     except (OSError, ValueError, KeyError, TypeError):
         return "no stamp of the sources it was built from"
-    if set(stamped) != built:
+    if modules != built:
         return "the compiled modules are not the ones stamped"
-    for name, digest in stamped.items():
-        source = _HERE / f"{name.rpartition('.')[2]}.py"
-        if hashlib.sha256(source.read_bytes()).hexdigest() != digest:
-            return f"{source.name} changed since it was compiled (reinstall to compile it again)"
+    now = {p.relative_to(_HERE).as_posix(): p for p in _HERE.rglob("*.py")}
+    for name in sorted(now.keys() | sources.keys()):
+        if name not in now or name not in sources or \
+                hashlib.sha256(now[name].read_bytes()).hexdigest() != sources[name]:
+            return f"{name} changed since the build (reinstall to compile it again)"
     return ""
 
 

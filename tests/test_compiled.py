@@ -61,20 +61,30 @@ def test_pure_python_on_request_at_run_time(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not pdfsm.COMPILED, reason=f"this install is not compiled: {pdfsm.HOT_PATH}")
-def test_an_edited_source_is_loaded_instead_of_its_stale_compiled_build(tmp_path: Path) -> None:
-    """A developer edits consumer.py in an editable checkout and runs the tests without
+@pytest.mark.parametrize(("edited", "old", "new"), [
+    ("consumer.py", "", "\nEDITED = True\n"),
+    # Not compiled itself, but mypyc copied its Final constants into core (found by review).
+    ("events.py", "CONSUMER: Final = 1\n", "CONSUMER: Final = 11\n"),
+])
+def test_an_edited_source_is_loaded_instead_of_its_stale_compiled_build(tmp_path: Path, edited: str, old: str,
+                                                                          new: str) -> None:
+    """A developer edits a module in an editable checkout and runs the tests without
     reinstalling: the edit is what runs, every hot module from source (they call each other
     natively, so one stale module cannot be mixed with fresh ones)."""
     copy = tmp_path / "pdfsm"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    probe = ("import pdfsm, pdfsm.core, pdfsm.consumer; "
-             "print(pdfsm.HOT_PATH, pdfsm.core.__file__, pdfsm.consumer.__file__)")
+    probe = ("import pdfsm, pdfsm.core, pdfsm.consumer, pdfsm.events; "
+             "print(pdfsm.HOT_PATH, pdfsm.core.__file__, pdfsm.consumer.__file__); "
+             "print(sorted(pdfsm.core.Core(pdfsm.events.CoreConfig(engine_id='D'))._remembered))")
     assert _python(probe, tmp_path, pythonpath=tmp_path).startswith("compiled with mypyc")
-    with (copy / "consumer.py").open("a") as f:
-        f.write("\nEDITED = True\n")
-    out = _python(probe + "; print(pdfsm.consumer.EDITED)", tmp_path, pythonpath=tmp_path)
-    assert out.startswith("pure Python (consumer.py changed since it was compiled"), out
-    assert out.split("\n")[0].endswith(f"{copy / 'core.py'} {copy / 'consumer.py'}") and out.endswith("True"), out
+    source = (copy / edited).read_text()
+    assert old in source
+    (copy / edited).write_text(source.replace(old, new, 1) if old else source + new)
+    out = _python(probe, tmp_path, pythonpath=tmp_path).split("\n")
+    assert out[0].startswith(f"pure Python ({edited} changed since the build"), out
+    assert out[0].endswith(f"{copy / 'core.py'} {copy / 'consumer.py'}"), out
+    if edited == "events.py":
+        assert out[1] == "[2, 3, 11]", out  # the core keys its tombstones by the edited constant
 
 
 def test_logs_of_one_build_replay_without_divergence_in_the_other(tmp_path: Path) -> None:
