@@ -19,10 +19,11 @@ commands, and record nothing:
   left out (its docstring lists what).
 
 All three run in this process, in interleaved rounds (each first in turn, a ``gc.collect()``
-before each); medians are reported. On the 2-core development VM (Python 3.11, not PGO), with
-other work running: pdfsm about 0.3M events/s (3.2-3.5 us per recorded event), the vLLM-style
-baseline 0.55-0.6M, the dict baseline about 1M; ratios 4.1-4.8 against the dict baseline (the
-goal asks 3) and 2.2-2.6 against the vLLM-style one.
+before each); medians are reported. pdfsm runs as installed: its hot path compiled with mypyc
+(setup.py), or pure Python (``PDFSM_PURE_PYTHON=1``); the table's first line says which. On the
+2-core development VM (Python 3.11, not PGO), 2026-11-27: compiled, pdfsm 0.87-0.92M events/s
+(1.1 us per recorded event) and 3.3-3.5x the dict baseline (2.4M/s), 1.8-1.9x the vLLM-style one;
+pure Python 0.57M/s and 5.3x (the goal asks 1M/s and 3x).
 
     python benchmarks/apply.py            # a table
     python benchmarks/apply.py --json     # one JSON object

@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any, Final, final
 
 import structlog
 
@@ -87,19 +87,48 @@ class Tables:
         self.engine = engine
 
 
-# A table option compiled for the apply loop: (action, dst, before, after, outcome, reason, fault,
-# end). ``dst`` is the state after (the same for an ignore or an illegal event), ``before`` and
-# ``after`` are state names; ``fault`` is None or (Fault value, explain);
-# ``end`` says what becomes of the machine: LIVES (a transition to a live state: kept), ENDS (to a
-# terminal state: forgotten), REMEMBERS (to a remembered terminal state: kept as a tombstone) or
-# STAYS (ignored or illegal: untouched). The loop tests ``end`` against these literal values.
-Step = tuple[Any, State, str, str, int, str, "tuple[str, Any] | None", int]
-# A cell compiled: its first option's guard and step, then the (guard, step) of the others.
-Cell = tuple["Guard | None", Step, tuple[tuple["Guard | None", Step], ...]]
-Route = tuple[dict[Any, Any], dict[State, Cell], bool, str, Any, dict[Any, State], int]
+# A table option compiled for the apply loop. ``dst`` is the state after (the same for an ignore
+# or an illegal event), ``before`` and ``after`` are state names; ``fault`` is None or (Fault
+# value, explain); ``end`` says what becomes of the machine: LIVES (a transition to a live state:
+# kept), ENDS (to a terminal state: forgotten), REMEMBERS (to a remembered terminal state: kept as
+# a tombstone) or STAYS (ignored or illegal: untouched). Plain classes, not tuples: compiled
+# (setup.py), a field is one load where a tuple's unpack checks and counts every item.
+@final
+class Step:
+    __slots__ = ("action", "after", "before", "dst", "end", "fault", "outcome", "reason")
+
+    def __init__(self, action: Any, dst: State, before: str, after: str, outcome: int, reason: str,
+                 fault: tuple[str, Any] | None, end: int) -> None:
+        self.action, self.dst, self.before, self.after = action, dst, before, after
+        self.outcome, self.reason, self.fault, self.end = outcome, reason, fault, end
+
+
+@final
+class Cell:
+    """A cell compiled: its first option's guard and step, then the (guard, step) of the others."""
+
+    __slots__ = ("rest", "step", "when")
+
+    def __init__(self, when: Guard | None, step: Step, rest: tuple[tuple[Guard | None, Step], ...]) -> None:
+        self.when, self.step, self.rest = when, step, rest
+
+
+@final
+class Route:
+    """Where events of one type go: the machines (keyed by engine or request), the compiled cells
+    by state, the table's name, the machine maker (None: the core's own event), the tombstones."""
+
+    __slots__ = ("by_engine", "cells", "machines", "make", "name", "remembered", "target")
+
+    def __init__(self, machines: dict[Any, Any], cells: dict[State, Cell], by_engine: bool, name: str, make: Any,
+                 remembered: dict[Any, State], target: int) -> None:
+        self.machines, self.cells, self.by_engine, self.name = machines, cells, by_engine, name
+        self.make, self.remembered, self.target = make, remembered, target
+
+
 LIVES, ENDS, REMEMBERS, STAYS = 0, 1, 2, 3
 # The route of events no table takes: applied by the core itself (no maker).
-_CORE_ROUTE: Final[Route] = ({}, {}, False, "core", None, {}, CORE)
+_CORE_ROUTE: Final = Route({}, {}, False, "core", None, {}, CORE)
 
 
 def _step(state: State, opt: Option) -> Step:
@@ -107,16 +136,16 @@ def _step(state: State, opt: Option) -> Step:
     if isinstance(opt, Go):
         dst = opt.dst
         end = (REMEMBERS if dst in REMEMBERED else ENDS) if dst.terminal else LIVES
-        return (opt.action, dst, state.name, dst.name, APPLIED, opt.reason if fault else "", fault, end)
+        return Step(opt.action, dst, state.name, dst.name, APPLIED, opt.reason if fault else "", fault, end)
     outcome = IGNORED if isinstance(opt, Ignore) else REJECTED
-    return (None, state, state.name, state.name, outcome, opt.reason, fault, STAYS)
+    return Step(None, state, state.name, state.name, outcome, opt.reason, fault, STAYS)
 
 
 def _compile(state: State, options: tuple[Option, ...]) -> Cell:
     """The options of one (state, event type) cell, in table order, as the apply loop reads them:
     the same decisions, fewer attribute loads."""
     first, *rest = options
-    return (first.when, _step(state, first), tuple((o.when, _step(state, o)) for o in rest))
+    return Cell(first.when, _step(state, first), tuple((o.when, _step(state, o)) for o in rest))
 
 
 def _enabled(logger: Any, level: int) -> bool:
@@ -215,8 +244,8 @@ class Core:
         ):
             for etype in table.events:
                 cells = {s: _compile(s, table.dispatch[s][etype]) for s in table.states}
-                routes[etype] = (machines, cells, target == ENGINE, table.name, make, self._remembered[target],
-                                 target)
+                routes[etype] = Route(machines, cells, target == ENGINE, table.name, make, self._remembered[target],
+                                      target)
         return routes
 
     def refresh_logging(self) -> None:
@@ -278,10 +307,10 @@ class Core:
             while queue:
                 ev = popleft()
                 m = None
-                try:
-                    machines, cells, by_engine, name, make, remembered, target = routes[type(ev)]
-                except KeyError:  # not an event type any table or the core knows: the core records it
-                    machines, cells, by_engine, name, make, remembered, target = _CORE_ROUTE
+                route = routes.get(type(ev))
+                if route is None:  # not an event type any table or the core knows: the core records it
+                    route = _CORE_ROUTE
+                make, name = route.make, route.name
                 if make is None:  # a core event
                     log.next_seq = seq
                     try:
@@ -289,21 +318,25 @@ class Core:
                     finally:  # strict mode raises after recording it: its seq is used either way
                         seq = log.next_seq
                 else:
-                    key = (ev.engine_id, ev.pp_rank) if by_engine else ev.request_id  # type: ignore[attr-defined]
+                    key = (ev.engine_id, ev.pp_rank) if route.by_engine else ev.request_id  # type: ignore[attr-defined]
+                    machines = route.machines
                     m = machines.get(key)
                     stored = m is not None
                     if not stored:
                         m = make(key)
+                        remembered = route.remembered
                         if remembered:  # late news for a request already finished: classify, do not restart
                             was = remembered.get(key)
                             if was is not None:
                                 m.state = was
-                    when, step, rest = cells[m.state]
+                    cell = route.cells[m.state]
+                    when, step = cell.when, cell.step
                     if when is not None and not when(m, ev, self):
-                        for when, step in rest:  # noqa: B007 (the step is the one the loop stops at)
+                        for when, step in cell.rest:  # noqa: B007 (the step is the one the loop stops at)
                             if when is None or when(m, ev, self):
                                 break
-                    action, dst, before, after, outcome, reason, fault, end = step
+                    action, dst, before, after = step.action, step.dst, step.before, step.after
+                    outcome, reason, fault, end = step.outcome, step.reason, step.fault, step.end
                     if action is not None:
                         action(m, ev, self)
                     if not end:  # LIVES
@@ -315,10 +348,10 @@ class Core:
                         if stored:
                             del machines[key]
                         if end == 2:
-                            remembered[key] = dst
+                            route.remembered[key] = dst
                             order = self._remembered_order
                             t = ev.t_ns
-                            order.append((t, target, key))
+                            order.append((t, route.target, key))
                             # Bounded by count and by age, so memory is flat in a long run at any rate.
                             while order and (len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns):
                                 _, old, old_key = order.popleft()
@@ -339,7 +372,7 @@ class Core:
                         window_append(frow)
                         if unsunk_append is not None:
                             unsunk_append(frow)
-                        self._violation(frow, target, key, m if stored else None)
+                        self._violation(frow, route.target, key, m if stored else None)
                     if debug:
                         self._logger.debug("transition", seq=seq - 1, machine=name, key=key,
                                            event_type=type(ev).__name__, before=before, after=after,

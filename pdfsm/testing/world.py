@@ -222,8 +222,8 @@ def _record_crash(core: Core, ev: Event, exc: BaseException) -> int:
     if core.crash is not None and core.crash[0] is exc:
         _, crashed, m, cause = core.crash
         route = core._routes.get(type(crashed))  # the machine the loop picked for it
-        if route is not None and route[4] is not None and m is not None:
-            machine, before = route[3], m.state.name
+        if route is not None and route.make is not None and m is not None:
+            machine, before = route.name, m.state.name
     core.log.append(crashed, machine, before, before, Outcome.REJECTED,
                     f"crashed: {type(exc).__name__}: {exc}", Fault.LOCAL, cause)
     core.log.flush()
