@@ -1,8 +1,9 @@
 """pdfsm: KV-cache transfer for prefill/decode disaggregated serving, correct by construction.
 
-The hot path may be compiled with mypyc (setup.py). A compiled module is loaded only while its
-source is the one it was built from (the build's stamp says which): an edited source, or
-``PDFSM_PURE_PYTHON=1`` at run time, loads the ``.py`` files instead. ``HOT_PATH`` says which.
+The hot path may be compiled with mypyc (setup.py). The compiled modules are loaded only while
+every source of the package is the one they were built from (the build's stamp says which): an
+edited source, or ``PDFSM_PURE_PYTHON=1`` at run time, loads the ``.py`` files instead.
+``HOT_PATH`` says which.
 """
 
 from __future__ import annotations

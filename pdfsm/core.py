@@ -204,7 +204,8 @@ class Core:
         self._derived: deque[Event] = deque()  # events the core concluded, applied after their cause
         self._one: deque[Event] = deque()  # apply()'s queue of one
         # What the loop was applying when a guard or action raised: (exception, event, machine or
-        # None, cause), for tools that record the crash (the race tester); the innermost loop's.
+        # None, cause), for tools that record the crash (the race tester); the innermost loop's,
+        # cleared as the next apply() or pump() starts.
         self.crash: tuple[BaseException, Event, Any, int | None] | None = None
         self._pumping: int | None = None  # the thread in pump(), if any
         # Bound methods, not wrappers: one Python frame less on every event (see benchmarks/apply.py).
@@ -300,6 +301,8 @@ class Core:
         unsunk_append = self._unsunk_append if self._sinking else None
         debug = self._debug
         first = seq = log.next_seq
+        if cause is None:  # a root batch: an earlier crash is not this one's (an exception may be reused)
+            self.crash = None
         n_derived = 0
         ev: Event | None = None
         m: Any = None

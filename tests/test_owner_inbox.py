@@ -230,8 +230,9 @@ def test_shutdown_on_another_thread_than_the_stepping_one_reports_each_request_o
 def test_loads_from_another_thread_while_one_steps_are_refused_between_its_pump_and_bookkeeping() -> None:
     """Scenario: thread A is inside ``get_finished`` (its step); its pump has just returned and
     nobody is inside ``pump``; thread B calls ``load('dB')`` there, and again (other params) after
-    A's step cleared its queued ids, before A pumps again (A is held at each point by a wrapper
-    around the core's pump and the transport's progress, where a GIL switch could fall).
+    A's step cleared its queued ids, before A pumps again (A is held at each point, where a GIL
+    switch could fall: as its step reads the queued ids right after the pump, and in the
+    transport's progress).
 
     Expected (docs/embedding.md: a call while another thread is inside a Connector method is
     refused with OwnerError, changing nothing): both of B's loads raise OwnerError and no

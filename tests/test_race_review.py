@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pdfsm import consumer as C
 from pdfsm.core import Core, Tables
-from pdfsm.events import HandleDone, LeaseExpired, Reported
+from pdfsm.events import AbortRequested, CoreConfig, HandleDone, LeaseExpired, Reported, Tick
 from pdfsm.filelog import read_log
 from pdfsm.fsm import Fault, Go, on
 from pdfsm.log import Outcome
@@ -229,6 +229,28 @@ def test_a_crash_in_a_derived_event_is_recorded_with_its_cause(tmp_path: Path) -
     crash = found.world.records()["D0"][-1]
     assert isinstance(crash.event, Reported) and crash.reason.startswith("crashed: KeyError")
     assert crash.machine == "consumer" and crash.cause is not None
+
+
+_REUSED = KeyError("reused")  # one exception object, raised by every crash: Core.crash must not keep the first
+
+
+def _raise_reused(m: Any, ev: Any, core: Any) -> None:
+    raise _REUSED
+
+
+def test_a_reused_exception_object_is_attributed_to_the_event_that_raised_it_last() -> None:
+    """Core.crash (what the race tester records a crash from) was kept from the first crash when
+    a later one raised the same exception object: it named request a for b's crash (found by
+    review)."""
+    tables = Tables(consumer=C.TABLE.patched("reuser", on(C.S.NEW, AbortRequested, Go(C.S.ABORTED, _raise_reused))))
+    core = Core(CoreConfig(engine_id="D"), tables=tables)
+    for rid in ("a", "b"):
+        with pytest.raises(KeyError):
+            core.apply(AbortRequested(source="scheduler", t_ns=1, request_id=rid))
+        assert core.crash is not None and core.crash[0] is _REUSED
+        assert core.crash[1].request_id == rid  # type: ignore[attr-defined]
+    core.apply(Tick(source="timer", t_ns=2))
+    assert core.crash is None  # the next apply starts clean
 
 
 # --- 7. drive writes the counterexample's logs when asked ----------------------------------------------------

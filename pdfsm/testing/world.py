@@ -214,10 +214,10 @@ def _name_of(invariant: object) -> str:
 
 def _record_crash(core: Core, ev: Event, exc: BaseException) -> int:
     """Record the event whose guard or action raised, as a local violation of its machine that
-    changed nothing, and return its seq. The core's hot loop has no handler (actions never
-    raise), so the crash left no record: the dump would replay cleanly, the request simply
-    stuck where it was. The event that raised, maybe one the root derived, and its machine are
-    what the loop left in ``core.crash``."""
+    changed nothing, and return its seq. The core's hot loop records nothing of a crash
+    (actions never raise): the dump would replay cleanly, the request simply stuck where it was.
+    The event that raised, maybe one the root derived, and its machine are what the loop left in
+    ``core.crash`` on the way out."""
     machine, before, cause, crashed = "core", "-", None, ev
     if core.crash is not None and core.crash[0] is exc:
         _, crashed, m, cause = core.crash
