@@ -96,6 +96,11 @@ def _minting(p: KVTransferParams) -> _Minting:
     return (p.remote_engine_id, p.remote_request_id, p.issued_wall_ns, p.remote_incarnation)
 
 
+def _slot(minting: _Minting) -> tuple[str, int]:
+    """The engine and issue-time slot forgotten params are marked by once not remembered exactly."""
+    return minting[0], minting[2] // _FORGOTTEN_NS
+
+
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     """What the prefill side returns and the router hands to the decode side."""
 
@@ -573,7 +578,7 @@ class Connector:
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
-        if p.issued_wall_ns and (self._forgotten_exact or self._forgotten) and self._maybe_forgotten(p, minting):
+        if p.issued_wall_ns and (self._forgotten_exact or self._forgotten) and self._maybe_forgotten(minting):
             raise InvalidInput("kv_transfer_params", f"issued at {p.issued_wall_ns}, within {_FORGOTTEN_NS} ns of "
                                                      f"params of {p.remote_engine_id!r} forgotten while their lease "
                                                      f"still ran (more than tombstones={self.config.tombstones} "
@@ -716,38 +721,45 @@ class Connector:
             return None
         return entry[0]
 
+    def _ended_before(self) -> int:
+        """Leases that ended before this (this wall clock less the margin that allows for skew
+        from the producer's) are over: blocks they held may be reused, and reading them again
+        reads nothing of theirs."""
+        return self._wall_clock() - self.config.lease_margin_ns
+
     def _forget(self, minting: _Minting, end: int) -> None:
         """Params no longer remembered as loaded: if their lease may still run, remember them as
         forgotten, exactly while there is room, then by their issue-time slot."""
-        if not end or end + self.config.lease_margin_ns < self._wall_clock():
+        over = self._ended_before()
+        if not end or end < over:  # 0: the params did not say
             return
         exact = self._forgotten_exact
         exact[minting] = end
         if len(exact) <= self.config.tombstones:
             return
         minting, end = exact.popitem(last=False)
-        if end + self.config.lease_margin_ns < self._wall_clock():
+        if end < over:
             return
-        slot = (minting[0], minting[2] // _FORGOTTEN_NS)
+        slot = _slot(minting)
         self._forgotten[slot] = max(self._forgotten.get(slot, 0), end)
         if len(self._forgotten) > 2 * self._forgotten_swept + 8:  # slots whose leases ended: amortized
-            now = self._wall_clock() - self.config.lease_margin_ns
-            self._forgotten = {k: e for k, e in self._forgotten.items() if e >= now}
+            self._forgotten = {k: e for k, e in self._forgotten.items() if e >= over}
             self._forgotten_swept = len(self._forgotten)
 
-    def _maybe_forgotten(self, p: KVTransferParams, minting: _Minting) -> bool:
-        """``p`` are params forgotten, or issued in a slot of its engine's forgotten params, and
-        one of their leases may still run (on this wall clock, the margin allowing for skew)."""
+    def _maybe_forgotten(self, minting: _Minting) -> bool:
+        """The params are forgotten ones, or were issued in a slot of their engine's forgotten
+        params, and one of those leases may still run."""
+        over = self._ended_before()
         end = self._forgotten_exact.get(minting)
         if end is not None:
-            if end + self.config.lease_margin_ns >= self._wall_clock():
+            if end >= over:
                 return True
             del self._forgotten_exact[minting]  # its lease is over: a reload reads nothing
-        slot = (p.remote_engine_id, p.issued_wall_ns // _FORGOTTEN_NS)
+        slot = _slot(minting)
         end = self._forgotten.get(slot)
         if end is None:
             return False
-        if end + self.config.lease_margin_ns < self._wall_clock():
+        if end < over:
             del self._forgotten[slot]  # every one of those leases is over: a reload reads nothing
             return False
         return True
@@ -880,22 +892,18 @@ class Connector:
             # The log could not be written (a full disk): nothing can be reported, but the
             # transport still stops, so no read writes blocks the embedder is about to free.
             self._closed = True
-            with self.core.log.owner_waiting():
-                self._close_parts()
             raise
-        with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
-            self._close_parts()
+        finally:
+            with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
+                for part in (self.handshaker, self.transport):
+                    try:
+                        part.close()
+                    except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
+                        _log.exception("close failed", part=type(part).__name__)
         self.get_finished()
         self._closed = True
         self.core.log.close()
         return self.last
-
-    def _close_parts(self) -> None:
-        for part in (self.handshaker, self.transport):
-            try:
-                part.close()
-            except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
-                _log.exception("close failed", part=type(part).__name__)
 
     # --- carrying out commands ------------------------------------------------------------------
 

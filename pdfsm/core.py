@@ -390,7 +390,7 @@ class Core:
                         raise
                     seq = log.next_seq
         except BaseException as exc:
-            if ev is not None and (self.crash is None or self.crash[0] is not exc):  # not one seen inside
+            if ev is not None and self.crash is None:  # the innermost loop's, set first as it unwinds
                 self.crash = (exc, ev, m, cause)
             raise
         finally:

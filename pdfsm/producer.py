@@ -88,9 +88,20 @@ class ProducerRequest:
     @property
     def complete(self) -> bool:
         """Every consumer engine that notified has notified every part."""
-        return self.of > 0 and self.parts == (1 << self.of) - 1 and (
-            self.others is None or (len(self.others) < MAX_READERS
-                                    and all(parts == (1 << of) - 1 for of, parts in self.others.values())))
+        return self.of > 0 and self.parts == (1 << self.of) - 1 and _others_done(self, None)
+
+
+def _others_done(m: ProducerRequest, but: str | None) -> bool:
+    """Every other consumer engine counted (all but ``but``) has notified every part; a crowded
+    hold never has (its lease ends it)."""
+    return m.others is None or (len(m.others) < MAX_READERS and all(
+        parts == (1 << of) - 1 for consumer, (of, parts) in m.others.items() if consumer != but))
+
+
+def _uncount(m: ProducerRequest) -> None:
+    """Forget the notifications counted (they were of an earlier hold under this id)."""
+    m.of = m.parts = 0
+    m.consumer, m.others = "", None
 
 
 # --- guards -----------------------------------------------------------------------------------
@@ -168,13 +179,9 @@ def _completes(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool
     """With this part, every consumer engine that notified has notified every part."""
     if _counted(m, ev)[1] | 1 << ev.part != (1 << ev.of) - 1:
         return False
-    if m.others is None:
-        return True
-    if len(m.others) >= MAX_READERS:  # crowded: the lease ends it
-        return False
-    mine = None if _first_consumer(m, ev) else ev.consumer
-    return (mine is None or m.parts == (1 << m.of) - 1) and all(
-        parts == (1 << of) - 1 for consumer, (of, parts) in m.others.items() if consumer != mine)
+    if _first_consumer(m, ev):
+        return _others_done(m, None)
+    return m.parts == (1 << m.of) - 1 and _others_done(m, ev.consumer)
 
 
 def _staged_complete(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
@@ -224,8 +231,7 @@ def _release(m: ProducerRequest, expired: bool, t_ns: int, core: Core) -> None:
 def _hold_over_stale(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     """The staged notifications were of an earlier hold under this id (a late notice for a hold
     forgotten since): they do not count toward this one."""
-    m.of = m.parts = 0
-    m.consumer, m.others = "", None
+    _uncount(m)
     _hold_staged(m, ev, core)
 
 
@@ -256,8 +262,8 @@ def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
 def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     """Staged notices of an earlier hold under this id give way to a later hold's: the later one is
     the hold the scheduler is about to register (or has, on the minting rank)."""
-    m.of = m.parts = m.issued = 0
-    m.consumer, m.others = "", None
+    _uncount(m)
+    m.issued = 0
     core.leases.disarm(m.request_id, m.deadline)
     m.deadline = max(m.deadline, ev.t_ns + core.config.lease_ns)
     core.leases.arm(m.request_id, m.deadline)
@@ -292,11 +298,7 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    if m.others is None:  # the common case, spelt out: the first (or only) engine's last part
-        m.of, m.consumer = ev.of, ev.consumer
-        m.parts |= 1 << ev.part
-    else:
-        _count(m, ev, core)
+    _count(m, ev, core)
     rid = m.request_id
     core.leases.disarm(rid, m.deadline)  # _release, spelt out: once per request
     m.deadline = 0
@@ -335,8 +337,9 @@ _dup = Illegal(remote, "duplicate notification for a part already counted", when
 _reused = Illegal(local, "request id reused after release")
 _other_hold = Illegal(remote, "notification of another hold of this request id (its params were issued at "
                               "another time): a late notice, not this hold's", when=_of_another_hold)
-_two_consumers = "a second consumer engine read this hold (its params went to two decode engines): released " \
-                 "when every engine that notified has notified every part, or at the lease"
+_TWO_CONSUMERS_TAIL: Final = ("(its params went to two decode engines): released when every engine that "
+                               "notified has notified every part, or at the lease")
+_two_consumers = f"a second consumer engine read this hold {_TWO_CONSUMERS_TAIL}"
 
 
 def _name_consumers(m: ProducerRequest, ev: NotificationReceived, core: Core) -> str:
@@ -344,9 +347,8 @@ def _name_consumers(m: ProducerRequest, ev: NotificationReceived, core: Core) ->
     def name(c: str) -> str:
         return repr(c) if c else "(not named: an older consumer)"
 
-    return (f"a second consumer engine, {name(ev.consumer)}, read this hold after {name(m.consumer)} (its params "
-            "went to two decode engines): released when every engine that notified has notified every part, or "
-            "at the lease")
+    return (f"a second consumer engine, {name(ev.consumer)}, read this hold after {name(m.consumer)} "
+            f"{_TWO_CONSUMERS_TAIL}")
 
 TABLE: Final[Table] = Table(
     "producer",

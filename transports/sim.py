@@ -103,10 +103,15 @@ class SimNetwork:
     def revive(self, agent: str) -> None:
         self.dead.discard(agent)
 
+    def reachable(self, name: str, incarnation: str = "") -> SimTransport | None:
+        """The live agent ``name``; with ``incarnation``, only while it is still that process."""
+        agent = None if name in self.dead else self.agents.get(name)
+        return agent if agent is None or incarnation in ("", agent.incarnation) else None
+
     def deliver(self, sender: str, receiver: str, raw: bytes, request_id: str = "") -> None:
         """Put raw notification bytes in a receiver's inbox, applying any programmed fault."""
-        target = self.agents.get(receiver)
-        if target is None or receiver in self.dead:
+        target = self.reachable(receiver)
+        if target is None:
             raise TransportError(f"{receiver}: peer unreachable")
         action, n = ("", 0)
         faults = self.notify_faults.get(request_id)
@@ -196,8 +201,7 @@ class SimTransport:
         refuse_pp(self.capabilities, self.agent, key[1])
         ranks: dict[int, str] = {}
         for info in reply.ranks:
-            peer = None if info.agent in self.network.dead else self.network.agents.get(info.agent)
-            if peer is None or info.incarnation not in ("", peer.incarnation):  # restarted since its reply
+            if self.network.reachable(info.agent, info.incarnation) is None:  # gone, or restarted since its reply
                 raise TransportError(f"cannot add remote agent {info.agent!r}: unreachable, or restarted "
                                      "since its handshake reply")
             ranks[info.tp_rank] = info.agent
