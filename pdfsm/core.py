@@ -448,7 +448,7 @@ class Core:
                 continue
             if now < e.idle_since + period:
                 self._arm_idle(e, e.idle_since + period)  # used since
-            elif e.readers or e.waiters:
+            elif e.readers or e.waiters or e.aside:
                 self._arm_idle(e, now + period)  # held: look again later
             else:
                 self.derive(EvictRequested(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank))
@@ -541,6 +541,7 @@ class Core:
                 e = self.engines.get((engine_id, pp))
                 if e is not None:
                     e.waiters.pop(request_id, None)
+                    e.aside.pop(request_id, None)
             pp_mask >>= 1
             pp += 1
 

@@ -70,6 +70,7 @@ class RemoteEngine:
     """What this worker knows of one remote engine at one PP rank."""
 
     __slots__ = (
+        "aside",
         "attempt",
         "drop_owed",
         "engine_id",
@@ -97,6 +98,9 @@ class RemoteEngine:
         self.host = ""
         self.port = 0
         self.waiters: dict[str, None] = {}  # request ids waiting for the handshake, in order
+        # Requests that want it at another address than the attempt running (a producer that moved,
+        # stale params still about): asked again when that attempt ends (_ask_aside), in order.
+        self.aside: dict[str, EngineWanted] = {}
         # Notifications owed once connected by requests that stopped while it handshook:
         # (their params, their trust bound, the notice); sent by consumer.send_owed.
         self.notices: list[tuple[ReadRequested, int, SendNotification]] = []
@@ -181,6 +185,10 @@ def _reply_refused(m: RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
     return validate_reply(m, ev.reply, core) is not None
 
 
+def _wanted_elsewhere(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
+    return m.elsewhere(ev.host, ev.port)
+
+
 def _retry_later(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
     return m.pausing(ev.t_ns, ev.host, ev.port)
 
@@ -219,6 +227,20 @@ def _join(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
     m.waiters[ev.request_id] = None
 
 
+def _set_aside(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
+    m.aside[ev.request_id] = ev
+
+
+def _ask_aside(m: RemoteEngine, core: Core, t_ns: int) -> None:
+    """The attempt ended: the requests set aside want the engine again, now, and the table decides
+    as for any request arriving now (a failed address is no reason to fail them: theirs is
+    handshaken; a connection at another address is judged against their params)."""
+    aside, m.aside = m.aside, {}
+    for ev in aside.values():
+        core.derive(EngineWanted(source=Source.CORE, t_ns=t_ns, engine_id=ev.engine_id, pp_rank=ev.pp_rank,
+                                 request_id=ev.request_id, host=ev.host, port=ev.port))
+
+
 def _tell_waiters(m: RemoteEngine, core: Core, t_ns: int) -> None:
     waiters, m.waiters = m.waiters, {}
     if m.error is None:
@@ -235,11 +257,14 @@ def _tell_waiters(m: RemoteEngine, core: Core, t_ns: int) -> None:
 def _fail(m: RemoteEngine, error: HandshakeError, t_ns: int, core: Core, *, drop: bool) -> None:
     m.error = error
     m.reply = None
-    m.notices = []  # nobody to tell: those producers release at their lease
+    # Nobody to tell at this address: those producers release at their lease. Notices owed at
+    # another address (requests set aside that stopped) wait for a handshake there.
+    m.notices = [owed for owed in m.notices if m.elsewhere(owed[0].host, owed[0].port)]
     m.retry_at = t_ns + core.config.handshake_retry_ns
     if drop:
         core.emit(DropPeer(engine_id=m.engine_id, pp_rank=m.pp_rank))
     _tell_waiters(m, core, t_ns)
+    _ask_aside(m, core, t_ns)
     core.engine_idle(m, t_ns)
 
 
@@ -275,6 +300,7 @@ def _connected(m: RemoteEngine, ev: PeerAdded, core: Core) -> None:
     for pp in sorted(stale):
         core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=m.engine_id, pp_rank=pp))
     _tell_waiters(m, core, ev.t_ns)
+    _ask_aside(m, core, ev.t_ns)
     core.engine_idle(m, ev.t_ns, connected=True)
 
 
@@ -392,6 +418,9 @@ def pay_drop(m: RemoteEngine, core: Core) -> None:
 
 local, remote = Fault.LOCAL, Fault.REMOTE
 _replies = (HandshakeDone, HandshakeFailed, PeerAdded)
+# A producer that moved under its engine id, stale params still naming the old address: neither
+# address's outcome is the other's (vLLM PR 18903, smg issue 2382).
+_ELSEWHERE = "wanted at another address than the attempt running: asked again when it ends"
 _stale_ignored = Ignore("reply to an earlier handshake attempt", when=_stale)
 _stale_loss_ignored = Ignore("the loss of another attempt's connection, not the current one", when=_stale_loss)
 
@@ -414,7 +443,8 @@ TABLE: Final[Table] = Table(
         on(S.UNKNOWN, EvictRequested, Ignore("nothing to evict")),
         on(S.UNKNOWN, EngineQuarantined, Ignore("nothing to quarantine")),
         # HANDSHAKING: one handshake, shared by every waiting request.
-        on(S.HANDSHAKING, EngineWanted, Go(S.HANDSHAKING, _join)),
+        on(S.HANDSHAKING, EngineWanted, Go(S.HANDSHAKING, _set_aside, when=_wanted_elsewhere, reason=_ELSEWHERE),
+           Go(S.HANDSHAKING, _join)),
         on(
             S.HANDSHAKING,
             HandshakeDone,
@@ -430,7 +460,8 @@ TABLE: Final[Table] = Table(
         on(S.HANDSHAKING, EvictRequested, Ignore("a handshake is in progress")),
         on((S.HANDSHAKING, S.CONNECTING), EngineQuarantined, Go(S.FAILED, _quarantine)),
         # CONNECTING: the transport is adding the peer on the owner thread.
-        on(S.CONNECTING, EngineWanted, Go(S.CONNECTING, _join)),
+        on(S.CONNECTING, EngineWanted, Go(S.CONNECTING, _set_aside, when=_wanted_elsewhere, reason=_ELSEWHERE),
+           Go(S.CONNECTING, _join)),
         on(S.CONNECTING, HandshakeDone, _stale_ignored, Ignore("a reply was already accepted for this attempt")),
         on(S.CONNECTING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
         on(S.CONNECTING, PeerAdded, _stale_ignored,

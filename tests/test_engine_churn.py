@@ -180,6 +180,83 @@ def test_fresh_params_at_the_producers_new_address_are_not_failed_with_the_old_a
     w.check_invariants()
 
 
+def test_fresh_params_at_the_new_address_do_not_join_a_handshake_still_running_at_the_old_one() -> None:
+    """As above, but the fresh params arrive while the handshake to the old address still runs
+    (its connect has not timed out yet). They joined it and failed with "connection refused by
+    127.0.0.1:9", an address they never named: recomputed, the wrong peer blamed, and every request
+    for the moved producer failed the same way until the old attempt ended (vLLM PR 18903, smg
+    issue 2382: an engine id served at another address). Found by review. Expected: the request is
+    set aside, and handshakes its own address as soon as the old attempt ends."""
+    w = World(handshake_retry_ns=1_000 * US)
+    w.producer("P", "P", 10)
+    w.net.handshake_faults[("127.0.0.1", 9)] = "refuse"
+    w.net.handshake_polls = 3  # the refusal takes a few steps to come back
+    w.load("old", [20], w.params("P", "p-old", [1]).to_dict() | {"remote_port": 9})
+    w.run(1)
+    e = w.d.core.engines[("P", 0)]
+    assert e.state.name == "HANDSHAKING" and e.port == 9
+    w.load("new", [21], w.params("P", "p-new", [2]))
+    w.run(1)
+    assert "new" in e.aside and "new" not in e.waiters
+    w.run(10)
+    assert "old" in w.failed() and "refused by 127.0.0.1:9" in w.offs["old"].reason
+    assert w.reports["new"] == 1 and "new" not in w.failed(), w.offs.get("new")
+    assert w.received_ok("new", "P", [2])
+    assert "p-new" not in w.prods["P"][3].core.producers, "the moved producer's hold is released by the notification"
+    w.check_invariants()
+
+
+def test_fresh_params_set_aside_then_judged_against_the_old_address_that_answered() -> None:
+    """The old address still answers (its process drains, same engine id): the attempt there
+    connects, and the request set aside is judged against that connection as one that waited for
+    it always was (decisions.md, "An engine id names one address"): refused once, naming the
+    address the engine was handshaken at, nothing evicted; the next such request is refused on the
+    fast path, which evicts, and the one after handshakes the new address and reads."""
+    w = World(handshake_retry_ns=1_000 * US)
+    w.producer("old", "P", 9)
+    w.producer("new", "P", 10)
+    w.net.handshake_polls = 3
+    w.load("a", [20], w.params("old", "p-a", [1]))
+    w.run(1)
+    w.load("b", [21], w.params("new", "p-b", [2]))
+    w.run(10)
+    assert w.reports["a"] == 1 and "a" not in w.failed() and w.received_ok("a", "old", [1])
+    assert w.reports["b"] == 1 and "handshaken at 127.0.0.1:9" in w.offs["b"].reason
+    w.load("c", [22], w.params("new", "p-c", [3]))
+    w.run(2)
+    assert w.reports["c"] == 1 and "handshaken at 127.0.0.1:9" in w.offs["c"].reason
+    assert ("P", 0) not in w.d.core.engines
+    w.load("d", [23], w.params("new", "p-d", [4]))
+    w.run(10)
+    assert w.reports["d"] == 1 and "d" not in w.failed(), w.offs["d"].reason
+    assert w.received_ok("d", "new", [4])
+    w.check_invariants()
+
+
+def test_a_request_aborted_while_set_aside_still_releases_the_moved_producer_once_it_is_handshaken() -> None:
+    """A request set aside (it names the new address) is aborted while the old attempt still runs:
+    the notice it owes the new producer survives the old attempt's failure, and goes out when the
+    next request handshakes the new address, instead of pinning the blocks for the whole lease."""
+    w = World(handshake_retry_ns=1_000 * US)
+    w.producer("P", "P", 10)
+    w.net.handshake_faults[("127.0.0.1", 9)] = "refuse"
+    w.net.handshake_polls = 3
+    w.load("old", [20], w.params("P", "p-old", [1]).to_dict() | {"remote_port": 9})
+    w.run(1)
+    w.load("new", [21], w.params("P", "p-new", [2]))
+    w.run(1)
+    w.d.abort("new")
+    w.run(10)
+    assert w.reports["new"] == 1 and "old" in w.failed()
+    prod = w.prods["P"][3].core.producers
+    assert "p-new" in prod  # nobody handshook the new address yet: the notice waits
+    w.load("next", [22], w.params("P", "p-next", [3]))
+    w.run(10)
+    assert w.reports["next"] == 1 and w.received_ok("next", "P", [3])
+    assert "p-new" not in prod, "the aborted request's notice went out once the new address connected"
+    w.check_invariants()
+
+
 def test_request_within_the_pause_fails_fast_and_the_first_after_it_retries() -> None:
     """decisions.md "A failed handshake is retried only after a pause": within handshake_retry_ns of
     the failure a request fails at once with the cached error and its policy, its blocks invalid in

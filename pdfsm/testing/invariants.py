@@ -96,7 +96,7 @@ def no_request_waits_on_an_idle_engine(w: World) -> None:
             for pp in range(w.s.producer_pp):
                 if (m.waiting >> pp) & 1:
                     e = core.engines.get((m.req.engine_id, pp))
-                    if e is None or e.state not in live or rid not in e.waiters:
+                    if e is None or e.state not in live or (rid not in e.waiters and rid not in e.aside):
                         state = e.state if e is not None else "absent"
                         w.fail(f"D{rank}: {rid} waits for engine ({m.req.engine_id}, {pp}), which is {state} "
                                "and will never tell it")
