@@ -424,6 +424,10 @@ class Connector:
         self._forgotten_exact: OrderedDict[_Minting, int] = OrderedDict()
         self._forgotten: dict[tuple[str, int], int] = {}
         self._forgotten_swept = 0  # its size after its last sweep
+        # Params this worker heartbeated, minting -> until when (this clock) it asked the producer
+        # to hold their blocks: a load of them that stops past their own lease still owes the
+        # producer its notice until then (ReadRequested.promised_ns). The newest tombstones-many.
+        self._promised: OrderedDict[_Minting, int] = OrderedDict()
         # Local blocks a load may still write, until its request is handed back (id -> blocks too):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
         self._writing: dict[int, str] = {}
@@ -433,6 +437,7 @@ class Connector:
             self._loaded.update(predecessor._live_loads)
             self._forgotten_exact.update(predecessor._forgotten_exact)
             self._forgotten.update(predecessor._forgotten)
+            self._promised.update(predecessor._promised)
             self._writing.update(predecessor._writing)
             self._writes.update(predecessor._writes)
         self.last = StepOutput(step=0)
@@ -584,7 +589,7 @@ class Connector:
                                                      f"still ran (more than tombstones={self.config.tombstones} "
                                                      "loads since): they may be those, already read")
         return _requested(p, rid, now, local_blocks=local, remote_blocks=remote, lease_ns=p.lease_ns,
-                          lease_start_ns=lease_start_ns), minting
+                          lease_start_ns=lease_start_ns, promised_ns=self._promised.get(minting, 0)), minting
 
     @_one_caller
     def abort(self, request_id: str) -> None:
@@ -613,6 +618,7 @@ class Connector:
         msg = HeartbeatMessage(p.remote_request_id, extend_ns, p.issued_wall_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         told = 0
+        sent_at = self._clock()
         for pp, tp in ranks:
             if self.core.engine_connected((p.remote_engine_id, pp), p.remote_host, p.remote_port):
                 try:
@@ -620,7 +626,16 @@ class Connector:
                     told += 1
                 except Exception as exc:  # noqa: BLE001 - any transport failure is reported, not raised
                     self._send_failed(p.remote_engine_id, pp, tp, p.remote_request_id, exc)
+        if told:
+            self._promise(_minting(p), sent_at + extend_ns)
         return told
+
+    def _promise(self, minting: _Minting, until: int) -> None:
+        """Remember that heartbeats asked the producer to hold these params' blocks until ``until``."""
+        promised = self._promised
+        promised[minting] = max(promised.pop(minting, 0), until)  # the newest heartbeat goes last
+        if len(promised) > self.config.tombstones:
+            promised.popitem(last=False)  # lost: a stop past the lease leaves that hold to its extension
 
     @_one_caller
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
@@ -766,6 +781,7 @@ class Connector:
 
     def _submit_load(self, ev: ReadRequested, minting: _Minting) -> None:
         self._queued[CONSUMER].add(ev.request_id)
+        self._promised.pop(minting, None)  # the request carries it from here (params are single-use)
         issued = minting[2]
         self._loaded[minting] = (ev.request_id, issued + ev.lease_ns if issued else 0)
         while len(self._loaded) > self.config.tombstones:  # one at a time, but a predecessor's may be more

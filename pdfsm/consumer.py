@@ -131,6 +131,17 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     return min(timeout, trust), trust
 
 
+def notify_until(ev: ReadRequested, core: Core) -> int | None:
+    """Until when a notification can still find the producer holding the blocks (None: the lease
+    is not known): the trust bound, or the end this worker's heartbeats asked for less the margin
+    if later. A request that stops after its trust bound but within that still tells the producer,
+    which would otherwise keep the blocks for the whole extension, then blame this side."""
+    if not ev.lease_ns:
+        return None
+    trust = times_of(ev, core)[1]
+    return max(trust, ev.promised_ns - core.config.lease_margin_ns) if ev.promised_ns else trust
+
+
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """The common case: valid, blocks to read, one PP rank, its engine already connected."""
     blocks = ev.local_blocks
@@ -256,24 +267,28 @@ def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 
 
 def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
-    """Nothing to read and the lease known to be over (past the trust bound, so also with the
+    """Nothing to read and the lease known to be over (past :func:`notify_until`, so also with the
     clocks' skew): the producer releases by itself; a notification now would reach it after its
     release and look like a read of reused blocks (vLLM PR 41269's late rejection notices).
     Judged at the latest time the core has applied, not the request's stamp: a request stamped
     before a Tick past the lease but applied after it would otherwise notify a released hold."""
-    return not ev.local_blocks and ev.lease_ns > 0 and times_of(ev, core)[1] <= max(ev.t_ns, core.latest_t_ns)
+    until = notify_until(ev, core)
+    return not ev.local_blocks and until is not None and until <= max(ev.t_ns, core.latest_t_ns)
 
 
-def _lease_ended(m: ConsumerRequest, t_ns: int) -> bool:
-    """The lease the params gave is over (past the trust bound): the producer may have released."""
+def _lease_ended(m: ConsumerRequest, t_ns: int, core: Core) -> bool:
+    """Past :func:`notify_until`: the producer may have released, so it is told nothing more."""
     req = m.req
-    return req is not None and req.lease_ns > 0 and m.trust is not None and t_ns >= m.trust
+    if req is None:
+        return False
+    until = notify_until(req, core)
+    return until is not None and t_ns >= until
 
 
 def _lease_over_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
     """As :func:`_lease_over_notify_only`, found once the engine is ready (the step that applies
     the handshake's result may come after the lease, before the deadline's tick)."""
-    return m.req is not None and not m.req.local_blocks and _lease_ended(m, ev.t_ns)
+    return m.req is not None and not m.req.local_blocks and _lease_ended(m, ev.t_ns, core)
 
 
 def _past_deadline(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
@@ -515,7 +530,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     assert req is not None and plan is not None
     # Judged at the latest time known: a read's end stamped before the trust bound may be applied
     # after a tick past it, when the producer may have released already.
-    if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, max(t_ns, core.latest_t_ns)):
+    if (m.done == plan.all_read and not plan.notify_only) or _lease_ended(m, max(t_ns, core.latest_t_ns), core):
         return
     # The params were checked against the engines when the reads were posted, or by the guard of
     # this very transition; only a stop before reading, or an engine handshaken again since the
@@ -532,7 +547,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
             continue
         e = core.engines.get((eid, pp))
         handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
-        trust = m.trust if _may_owe(req) else None
+        trust = notify_until(req, core) if _may_owe(req) else None
         if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269).
@@ -616,6 +631,7 @@ def _refuse_layout(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 def _refuse_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _refuse(m, ev, core, "the producer's lease may already have run out: its blocks cannot be trusted", True)
+    _notify_unread(m, core, ev.t_ns, connected_only=True)  # held still only if heartbeats asked (notify_until)
 
 
 def _refuse_contradiction(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

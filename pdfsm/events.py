@@ -237,6 +237,10 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     # logs from before this field: judged against every stage's replies at once).
     incarnation_pp: int | None = None
     issued_wall_ns: int = 0  # when the params were issued, on the producer's wall clock (0: not said)
+    # Until when this worker's heartbeats asked the producer to hold the blocks, on this clock (0:
+    # none went out). Never trusted for a read (a heartbeat may be lost); it only says that a
+    # notification can still find the blocks held, and so is owed, after the params' own lease.
+    promised_ns: int = 0
 
 
 class EngineReady(_ConsumerEvent, frozen=True):

@@ -17,6 +17,7 @@ from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
 from pdfsm.errors import InvalidInput
 from pdfsm.events import PRODUCER, CoreConfig
+from pdfsm.fsm import Fault
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
 
 BLOCK = 64  # bytes per simulated block
@@ -84,6 +85,52 @@ def test_uccl_issue_1015_heartbeat_lost_in_transit_is_not_counted_as_a_lease_ext
     w.run(3)
     bytes_ok = w.read_bytes_ok([5, 6], [1, 2])
     assert bytes_ok or "d1" not in w.received, "a read of reused prefill blocks was reported received"
+
+
+def _heartbeated(w: LeaseWorld, prid: str, blocks: list[int], extend: int) -> KVTransferParams:
+    """Params of a request queued on the decode side past its producer's lease, kept held there by
+    a heartbeat every half lease (vLLM PR 41383's pattern for requests queued through a surge)."""
+    params = w.p.request_finished(prid, blocks)
+    for _ in range(3):
+        assert w.d.heartbeat(params, extend_ns=extend) == 1
+        w.run(1, dt=params.lease_ns // 2)
+    assert w.p.core.producers[prid].state.name == "HOLDING"  # past the params' lease: the heartbeats hold it
+    return params
+
+
+@pytest.mark.parametrize("local", [[5, 6], []], ids=["refused-as-lease-over", "notify-only"])
+def test_heartbeated_hold_is_told_when_the_decode_request_stops_past_its_lease(local: list[int]) -> None:
+    """vLLM PR 41383's heartbeats keep a queued decode request's prefill blocks held; pdfsm never
+    trusts a read past the params' own lease, so the request, scheduled 1.5 leases after issue, is
+    refused (or, loaded notify-only, dropped). It sent the producer nothing ("it releases by
+    itself"), but its own heartbeats had asked the producer to hold for 10 leases: the blocks stayed
+    pinned that long, then expired with a remote violation blaming this side (found by review).
+    Expected: what this side trusts is unchanged, and it tells the producer, which releases now."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    params = _heartbeated(w, "p1", [1, 2], extend=40 * S)
+    w.d.load("d1", local, params)
+    w.run(3)
+    assert "d1" not in w.received
+    if local:
+        assert "lease" in w.failed["d1"].reason and set(w.failed["d1"].invalid_blocks) == {5, 6}
+    assert w.released == ["p1"] and not w.expired, "released by the notice, not 10 leases later by expiry"
+    assert w.p.core.violations[Fault.REMOTE] == 0
+
+
+def test_heartbeat_promise_ends_and_a_later_stop_tells_nobody() -> None:
+    """Past the end its heartbeats asked for (less the margin) the producer may have released: a
+    request stopping then sends nothing, as before heartbeats were remembered."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    params = _heartbeated(w, "p1", [1, 2], extend=4 * S)
+    w.run(1, dt=4 * S)  # past the last heartbeat's extension: the producer expired the hold
+    assert w.expired == ["p1"]
+    sent = len(w.cons.sent)
+    w.d.load("d1", [5, 6], params)
+    w.run(2)
+    assert "lease" in w.failed["d1"].reason
+    assert w.cons.sent[sent:] == [], "no notice after the promise ended"
 
 
 def test_vllm_pr_50326_decode_lease_start_from_a_scheduler_on_another_node_is_not_trusted() -> None:

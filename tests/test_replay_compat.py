@@ -148,10 +148,11 @@ def test_a_pp2_log_written_before_incarnation_pp_replays_without_divergence(
     records = _pp2_read_minted_by_stage1("")
     assert records[-1].state == "READING"
     rows = _raw(records)
+    fields = ["type", *ReadRequested.__struct_fields__]  # the event's array: its class, then its fields
     for row in rows:
         if row[1][0] == "ReadRequested":
-            row[1][-3] = "inc-s1"  # incarnation, as the params said
-            del row[1][-2:]  # no incarnation_pp, no issued_wall_ns: neither field existed
+            row[1][fields.index("incarnation")] = "inc-s1"  # as the params said
+            del row[1][fields.index("incarnation_pp"):]  # no incarnation_pp nor any later field: none existed
     log = _write_raw(tmp_path / "decode-pp0-tp0", rows)
     got = read_log(log)[1].event
     assert isinstance(got, ReadRequested) and got.incarnation == "inc-s1" and got.incarnation_pp is None
