@@ -290,17 +290,43 @@ def _reachable(version: int, chain: Mapping[int, Upcaster] = UPCASTERS) -> bool:
 # --- encoding --------------------------------------------------------------------------------------
 
 
+class _EventTag(msgspec.Struct, array_like=True):
+    tag: str  # an event is an array tagged with its class name; the rest is not decoded
+
+
+class _TaggedRow(msgspec.Struct, array_like=True):
+    seq: int
+    event: _EventTag  # the row's other fields are not decoded
+
+
+_TAGGED_ROWS: Final = msgspec.msgpack.Decoder(list[_TaggedRow])
+_MIN_RECORD_BYTES: Final = 8  # no encoded record is shorter: an array of 9 with a tagged event
+
+
 def _unknown_event_types(payload: bytes) -> list[str]:
-    """The event type names of a frame's rows that this pdfsm does not know (rows are arrays
-    whose second element, the event, is an array tagged with its class name)."""
+    """The event type names of a frame's rows that this pdfsm does not know, when every row is a
+    record with a tagged event ([] otherwise). Only the tags are decoded: a crafted frame must not
+    make this build an object per byte."""
     try:
-        rows = msgspec.msgpack.decode(payload)
+        rows = _TAGGED_ROWS.decode(payload)
     except (msgspec.MsgspecError, RecursionError):
         return []
     known = {cls.__name__ for cls in ALL_EVENTS}
-    tags = {row[1][0] for row in rows if isinstance(row, list) and len(row) > 1 and isinstance(row[1], list)
-            and row[1] and isinstance(row[1][0], str)} if isinstance(rows, list) else set()
-    return sorted(tags - known)
+    return sorted({row.event.tag for row in rows} - known)
+
+
+def _array_len(payload: bytes) -> int | None:
+    """The length a msgpack array header at the start of ``payload`` says, or None (no array)."""
+    if not payload:
+        return None
+    b = payload[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(payload) >= 3:
+        return int.from_bytes(payload[1:3], "big")
+    if b == 0xDD and len(payload) >= 5:
+        return int.from_bytes(payload[1:5], "big")
+    return None
 
 
 def _same_writer(first: SegmentHeader, header: SegmentHeader, path: Path) -> None:
@@ -791,12 +817,22 @@ class LogReader:
                     f"schema version {schema} cannot be read by this reader (current {SCHEMA_VERSION}"
                     f"{', upgrade pdfsm' if schema > SCHEMA_VERSION else ', no upcaster'})",
                     path=path, offset=fr.offset + 20)
+            # Checked before anything is decoded: the frame's own count must not size what we build.
+            if _array_len(fr.payload) != fr.n or fr.n * _MIN_RECORD_BYTES > len(fr.payload):
+                raise CorruptLogError(f"payload is not an array of the frame's {fr.n} records", path=path,
+                                      offset=fr.offset)
             try:
                 if schema == SCHEMA_VERSION:
                     recs = decode(fr.payload)
                 else:
                     raw = msgspec.msgpack.decode(fr.payload, type=list[list[Any]])
-                    recs = msgspec.convert(upcast(raw, schema, current=SCHEMA_VERSION), list[Record])
+                    try:
+                        upcasted = upcast(raw, schema, current=SCHEMA_VERSION)
+                    except (IndexError, KeyError, TypeError, ValueError) as e:  # rows of no shape schema N had
+                        raise CorruptLogError(f"payload does not decode as schema {schema}: its rows cannot be "
+                                              f"upgraded ({type(e).__name__}: {e})", path=path,
+                                              offset=fr.offset) from e
+                    recs = msgspec.convert(upcasted, list[Record])
             except (msgspec.MsgspecError, RecursionError) as e:
                 unknown = _unknown_event_types(fr.payload)
                 if unknown:  # intact (its CRC held), written by a pdfsm that knows more events
@@ -822,8 +858,9 @@ class LogReader:
     def _salvage(self, path: Path, fr: _Frame) -> list[Record] | None:
         """The records of an intact frame (its CRC held) that do not all decode: written so (an
         event built with a field of the wrong type, which msgpack encodes all the same). Each
-        record that decodes is kept, each that does not becomes a one-record gap; None when the
-        frame is not an array of its ``n`` records in seq order."""
+        record that decodes is kept, each run of those that do not becomes one gap; None when the
+        frame is not an array of its ``n`` records in seq order, or when none decodes (that is no
+        writer's slip: corruption)."""
         try:
             raws = msgspec.msgpack.decode(fr.payload, type=list[msgspec.Raw])
         except (msgspec.MsgspecError, RecursionError):
@@ -831,15 +868,23 @@ class LogReader:
         if len(raws) != fr.n:
             return None
         out: list[Record] = []
+        gaps: list[Gap] = []
         for seq, raw in enumerate(raws, fr.base_seq):
             try:
                 rec = _RECORD.decode(raw)
             except (msgspec.MsgspecError, RecursionError) as e:
-                self.gaps.append(Gap(seq, 1, f"written, but does not decode: {e}", str(path), fr.offset))
+                last = gaps[-1] if gaps else None
+                if last is not None and last.first_seq + last.count == seq:  # one gap per run
+                    gaps[-1] = Gap(last.first_seq, last.count + 1, last.reason, last.path, last.offset)
+                else:
+                    gaps.append(Gap(seq, 1, f"written, but does not decode: {e}", str(path), fr.offset))
                 continue
             if rec.seq != seq:
                 return None
             out.append(rec)
+        if not out:
+            return None
+        self.gaps.extend(gaps)
         return out
 
     @staticmethod

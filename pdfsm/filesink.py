@@ -84,6 +84,9 @@ _FLUSH_BYTES: Final = 1 << 20  # write out at least this often: big writes stall
 _seq_of: Final = itemgetter(0)
 
 
+_MAX_INTERVAL_MS: Final = 86_400_000.0
+
+
 class FsyncPolicy(msgspec.Struct, frozen=True):
     """When the writer fsyncs: ``always``, ``every`` ``interval_ms``, or ``never`` (close only)."""
 
@@ -96,8 +99,9 @@ class FsyncPolicy(msgspec.Struct, frozen=True):
 
     @classmethod
     def every(cls, interval_ms: float) -> FsyncPolicy:
-        if not interval_ms > 0:
-            raise ValueError("interval_ms must be positive")
+        if not 0 < interval_ms <= _MAX_INTERVAL_MS:  # the writer waits this long: a bound it can wait
+            raise ValueError(f"interval_ms must be positive and at most {_MAX_INTERVAL_MS} (a day), "
+                             f"got {interval_ms!r}")
         return cls("every", float(interval_ms))
 
     @classmethod

@@ -600,7 +600,7 @@ def _machines_at(log: LoadedLog, summary: Summary) -> Iterator[str]:
     for (machine, key), state in summary.states.items():
         v = since.get((machine, key))
         when = f"  since #{v.start_seq} ({at(v.start_t_ns - t0)}, {v.entered_by})" if v else ""
-        yield f"    {machine:9s} {_key(key):28s} {state:12s}{when}"
+        yield f"    {printable(machine):9s} {_key(key):28s} {printable(state):12s}{when}"
 
 
 def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit: int, brief: bool) -> Iterator[str]:
@@ -635,7 +635,7 @@ def _follow_text(f: Followed) -> Iterator[str]:
     width = max(len(log) for log, _ in f.entries)
     for log, rec in f.entries:
         applied = rec.outcome.name == "APPLIED"
-        arrow = f"{rec.before} -> {rec.state}" if applied else f"{rec.state} ({rec.outcome.name.lower()})"
+        arrow = printable(f"{rec.before} -> {rec.state}" if applied else f"{rec.state} ({rec.outcome.name.lower()})")
         key = machine_key(rec)
         who = rec.machine if key is None else f"{rec.machine} {key if isinstance(key, str) else _key(key)}"
         note = ""

@@ -366,18 +366,21 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int 
     span = duration(summary.last_t_ns - summary.first_t_ns)
     yield f"{title or 'log'}: {summary.events} records up to seq {summary.last_seq}, {span}"
     for machine, counts in sorted(summary.per_state.items()):
-        yield f"  {machine:9s} " + ", ".join(f"{state} {n}" for state, n in sorted(counts.items()))
+        # Machine and state names come from the file: a crafted one must not forge lines either.
+        states = ", ".join(f"{printable(state)} {n}" for state, n in sorted(counts.items()))
+        yield f"  {printable(machine):9s} {states}"
     yield from (f"  finished  {line}" for line in outcome_lines(summary))
     faults = summary.by_fault()
     yield f"  violations: {len(summary.violations)} (local {faults['local']}, remote {faults['remote']})"
     for v in summary.violations[:limit]:
         outcome = "rejected" if v.outcome.name == "REJECTED" else "handled"
-        yield (f"    seq {v.seq} [{v.fault.value if v.fault else '?'}] {v.machine} "
+        yield (f"    seq {v.seq} [{v.fault.value if v.fault else '?'}] {printable(v.machine)} "
                f"{machine_key(v)!r}: {type(v.event).__name__} {outcome}: {printable(v.reason)}")
     if len(summary.violations) > limit:
         yield f"    ... {len(summary.violations) - limit} more"
     stuck = summary.stuck
-    yield f"  not terminal: {len(stuck)}" + "".join(f"\n    {m} {k!r} in {s}" for m, k, s in stuck[:limit])
+    yield f"  not terminal: {len(stuck)}" + "".join(f"\n    {printable(m)} {printable(repr(k))} in {printable(s)}"
+                                                     for m, k, s in stuck[:limit])
     if len(stuck) > limit:
         yield f"    ... {len(stuck) - limit} more"
     shown = 0
@@ -387,9 +390,9 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int 
         shown += 1
         t0 = steps[0].t_ns
         at = offsets(max(st.t_ns for st in steps) - t0)
-        yield f"  {machine} {key!r}:"
+        yield f"  {printable(machine)} {printable(repr(key))}:"
         for st in steps:
-            arrow = f"{st.before} -> {st.state}" if st.outcome == "applied" else f"{st.state} ({st.outcome})"
+            arrow = printable(f"{st.before} -> {st.state}" if st.outcome == "applied" else f"{st.state} ({st.outcome})")
             yield f"    {at(st.t_ns - t0)}  #{st.seq:<6d} {st.event:22s} {arrow:24s} {st.detail}".rstrip()
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import collect, ev, handshake, make_core, read, run_cli
+from helpers import collect, ev, handshake, make_core, read, run_cli, run_cli_captured
 
 from pdfsm.events import BlocksHeld, HandleDone, NotificationReceived, PeerAdded
 from pdfsm.filelog import segment_name, segment_paths, write_segment
@@ -210,3 +210,92 @@ def test_report_refuses_a_negative_row_count(tmp_path: Path, capsys: pytest.Capt
     log = _write(tmp_path / "decode-tp0", _records())
     assert run_cli("report", str(log), "-o", str(tmp_path / "r.html"), "--rows", "-3") == 2
     assert "--rows must be >= 0" in capsys.readouterr().err
+
+
+# --- 9. crafted frames: intact (their CRC holds), yet no records ----------------------------------------
+
+
+def _crafted(directory: Path, payload: bytes, count: int, schema: int = 3) -> Path:
+    """One segment holding one CRC-valid frame of ``payload`` that says it carries ``count`` records."""
+    from pdfsm.filelog import encode_frame, encode_header
+
+    directory.mkdir(parents=True)
+    head, prev = encode_header(0, bytes(8), {"worker": directory.name})
+    frame, _ = encode_frame(payload, count, 0, prev, wall_ns=0, mono_ns=0, schema=schema)
+    (directory / segment_name(0)).write_bytes(head + frame + payload)
+    return directory
+
+
+@pytest.mark.parametrize(("rows", "schema"), [
+    ([[]], 2),  # no fields at all
+    ([[0]], 1),  # a seq and nothing else
+    ([[0, {"type": [1, 2]}, "core", "NEW", "NEW", 0, "", None, None]], 1),  # a class name that is a list
+], ids=["empty-row-v2", "short-row-v1", "unhashable-type-v1"])
+def test_old_schema_rows_of_no_shape_are_corruption_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: list[object], schema: int) -> None:
+    """Rows of schema 1 or 2 that its upcasters cannot upgrade crashed every command with an
+    IndexError or TypeError traceback (exit 1, no --json document); found by review. A CRC-valid
+    payload that does not decode as its schema is corruption: exit 4, the file and offset named."""
+    import msgspec
+
+    log = _crafted(tmp_path / "x", msgspec.msgpack.encode(rows), 1, schema)
+    code, out, _ = run_cli_captured(capsys, "replay", str(log))
+    assert code == 4 and "CORRUPT" in out and "Traceback" not in out, out
+    assert load("x", log).status == "corrupt"
+
+
+@pytest.mark.parametrize(("payload", "count"), [
+    (b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x90" * (1 << 20), 1 << 20),  # a million empty arrays
+    (b"\x93\x90\x07\xa1x", 3),  # [[], 7, "x"]
+], ids=["a-million-empty-arrays", "three-non-records"])
+def test_a_frame_of_non_records_is_corruption_and_costs_no_object_per_byte(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], payload: bytes, count: int) -> None:
+    """A frame whose payload holds no records was salvaged record by record: a gap per element
+    (exit 0, "no records to replay", a line per gap), after decoding the payload untyped, an object
+    per byte (a 4 MiB frame took 1.3 GiB and 6.5 s; found by review). A frame that cannot hold its
+    count of records, or of which no record decodes, is corruption, found before anything is built."""
+    import resource
+
+    log = _crafted(tmp_path / "x", payload, count)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    loaded = load("x", log)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: < 100 MiB more
+    assert loaded.status == "corrupt" and not loaded.gaps, (loaded.status, loaded.error)
+    code, out, _ = run_cli_captured(capsys, "replay", str(log))
+    assert code == 4 and "gap:" not in out
+
+
+def test_a_frame_of_which_no_record_decodes_is_corruption(tmp_path: Path) -> None:
+    """Row-shaped arrays of the right count, none of them a record: not a writer's slip (salvage keeps
+    a frame of which *some* records do not decode), corruption."""
+    import msgspec
+
+    rows = [[seq, 7, "core", "NEW", "NEW", 0, "", None, None] for seq in range(3)]
+    log = _crafted(tmp_path / "x", msgspec.msgpack.encode(rows), 3)
+    loaded = load("x", log)
+    assert loaded.status == "corrupt" and not loaded.gaps
+
+
+def test_state_names_from_a_crafted_log_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A record's ``state``, ``before`` and ``machine`` were printed raw: a crafted log forged a
+    "violations: 0" line and sent terminal escapes (found by review; reason, details and keys were
+    already escaped). Every printed line must come from the tool."""
+    import msgspec
+
+    forged = "RELEASED\n  violations: 0 (local 0, remote 0)\x1b[2K"
+    records = [msgspec.structs.replace(r, state=forged) if r.state == "RELEASED" else r for r in _records()]
+    log = _write(tmp_path / "decode-tp0", [r for r in records if r.seq >= 5])  # trimmed: summarized as read
+    for args in ((), ("--request", "a"), ("--timelines", "4")):
+        _, out, _ = run_cli_captured(capsys, "replay", str(log), *args)
+        assert "\x1b" not in out and "RELEASED\\n" in out, out
+        assert sum(line.strip().startswith("violations: 0 (local 0, remote 0)") for line in out.splitlines()) <= 1
+
+
+@pytest.mark.parametrize("interval", [float("inf"), float("nan"), 1e12, 0, -1])
+def test_fsync_interval_out_of_bounds_is_refused_when_built(interval: float) -> None:
+    """``FsyncPolicy.every(inf)`` was accepted, then the writer thread died at once (OverflowError)
+    and the first write raised: bad arguments are refused when given (found by review)."""
+    from pdfsm.filesink import FsyncPolicy
+
+    with pytest.raises(ValueError, match="interval_ms"):
+        FsyncPolicy.every(interval)
