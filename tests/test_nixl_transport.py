@@ -539,6 +539,32 @@ def test_a_raising_poll_whose_release_nixl_refuses_as_active_is_polled_until_it_
     assert [type(e) for e in pair.outcomes()] == [HandleDone] and not pair.d.reads
 
 
+def test_a_read_ending_err_whose_release_nixl_refuses_as_active_is_kept_until_it_lets_go(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same rule after a poll says ERR: a release refused as still active (GETs may still land)
+    keeps the read, reported failed only once NIXL lets it go. It was reported at once, the refusal
+    only logged, unlike the raising-poll and raising-transfer paths (found by review; NIXL 1.5.1
+    refuses only while a request is in progress, so this is hardening)."""
+    errors = import_nixl().nixlBind
+    unstick = stuck(pair.d.agent, monkeypatch)
+    pair.read("r")
+    handle = pair.d.reads[("r", 0, 0)].handle
+
+    def still_active(_: Any) -> None:
+        raise errors.nixlRepostActiveError("NIXL_ERR_REPOST_ACTIVE")
+
+    monkeypatch.setattr(pair.d.agent, "check_xfer_state", lambda h: "ERR")
+    monkeypatch.setattr(type(handle), "release", still_active)
+    for _ in range(3):
+        pair.d.progress()
+    assert not pair.outcomes() and pair.d.reads[("r", 0, 0)].held
+    monkeypatch.undo()  # NIXL lets go: the next poll reports it
+    unstick()
+    pair.pump(lambda: bool(pair.outcomes()))
+    (out,) = pair.outcomes()
+    assert isinstance(out, HandleFailed) and out.why is HandleFailure.ERR and not pair.d.reads
+
+
 def test_a_transfer_that_raises_while_nixl_refuses_its_release_as_active_is_polled_until_it_ends(
         pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Scenario: NIXL's `transfer()` raises part-way (UCX posts a READ's GETs one by one; a

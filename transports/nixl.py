@@ -665,7 +665,15 @@ class NixlTransport:
                 self._emit(HandleDone(source=Source.TRANSFER, t_ns=now, request_id=read.cmd.request_id,
                                       pp_rank=src.pp_rank, tp_rank=src.tp_rank))
             elif read.state != "PROC":  # a read whose post raised may lack GETs even when DONE
-                self._release_read(read)
+                # As for a raising poll: a release NIXL refuses as still active (GETs may still
+                # land) keeps the read, released and reported at a later poll.
+                if read.handle is not None and not self._released(read.handle):
+                    if not read.held:
+                        read.held = True
+                        _log.warning("read ended but NIXL refused to release it: retried until it does",
+                                     request_id=read.cmd.request_id, state=read.state)
+                    continue
+                read.handle = None
                 self._end(read, HandleFailure.RAISED if read.raised else HandleFailure.ERR,
                           read.raised or f"transfer state {read.state}")
         self._drain_notifications(now)
