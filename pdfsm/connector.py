@@ -626,7 +626,7 @@ class Connector:
                     told += 1
                 except Exception as exc:  # noqa: BLE001 - any transport failure is reported, not raised
                     self._send_failed(p.remote_engine_id, pp, tp, p.remote_request_id, exc)
-        if told:
+        if told == len(ranks):  # the promise counts for every rank: one this heartbeat missed may release
             self._promise(_minting(p), sent_at + extend_ns)
         return told
 
@@ -634,7 +634,7 @@ class Connector:
         """Remember that heartbeats asked the producer to hold these params' blocks until ``until``."""
         promised = self._promised
         promised[minting] = max(promised.pop(minting, 0), until)  # the newest heartbeat goes last
-        if len(promised) > self.config.tombstones:
+        while len(promised) > self.config.tombstones:  # a predecessor's may be more
             promised.popitem(last=False)  # lost: a stop past the lease leaves that hold to its extension
 
     @_one_caller

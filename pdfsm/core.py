@@ -448,7 +448,7 @@ class Core:
                 continue
             if now < e.idle_since + period:
                 self._arm_idle(e, e.idle_since + period)  # used since
-            elif e.readers or e.waiters or e.aside:
+            elif e.readers or e.waiters:
                 self._arm_idle(e, now + period)  # held: look again later
             else:
                 self.derive(EvictRequested(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank))

@@ -7,7 +7,8 @@
                     +--------------+-> FAILED -> HANDSHAKING (a later request retries)
 
 - One handshake per engine: requests that arrive while it runs join its
-  waiting list, and every one of them hears the outcome (vLLM PR 26171).
+  waiting list, and every one of them hears the outcome (vLLM PR 26171); one
+  naming another address is set aside and asks again when the attempt ends.
 - The reply is validated in a fixed order: compatibility hash, engine id
   (the error names both ids: vLLM PR 39907, issue 27083), layout, and only
   then PP support (vLLM PR 43720). Metadata is keyed by (pp_rank, tp_rank).
@@ -22,6 +23,8 @@
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
+
+import msgspec
 
 from pdfsm.commands import AddPeer, DropPeer, SendNotification, StartHandshake
 from pdfsm.errors import (
@@ -185,6 +188,14 @@ def _reply_refused(m: RemoteEngine, ev: HandshakeDone, core: Core) -> bool:
     return validate_reply(m, ev.reply, core) is not None
 
 
+def _not_waiting(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
+    """The request no longer waits for this engine: it stopped after the request was derived and
+    before it was applied (a request set aside asks again after the attempt ends, in the same
+    cascade as a sibling stage's failure that ended it)."""
+    c = core.consumers.get(ev.request_id)
+    return c is None or c.req is None or c.req.engine_id != m.engine_id or not (c.waiting >> m.pp_rank) & 1
+
+
 def _wanted_elsewhere(m: RemoteEngine, ev: EngineWanted, core: Core) -> bool:
     return m.elsewhere(ev.host, ev.port)
 
@@ -237,8 +248,7 @@ def _ask_aside(m: RemoteEngine, core: Core, t_ns: int) -> None:
     handshaken; a connection at another address is judged against their params)."""
     aside, m.aside = m.aside, {}
     for ev in aside.values():
-        core.derive(EngineWanted(source=Source.CORE, t_ns=t_ns, engine_id=ev.engine_id, pp_rank=ev.pp_rank,
-                                 request_id=ev.request_id, host=ev.host, port=ev.port))
+        core.derive(msgspec.structs.replace(ev, t_ns=t_ns))
 
 
 def _tell_waiters(m: RemoteEngine, core: Core, t_ns: int) -> None:
@@ -421,6 +431,7 @@ _replies = (HandshakeDone, HandshakeFailed, PeerAdded)
 # A producer that moved under its engine id, stale params still naming the old address: neither
 # address's outcome is the other's (vLLM PR 18903, smg issue 2382).
 _ELSEWHERE = "wanted at another address than the attempt running: asked again when it ends"
+_gone = Ignore("the request no longer waits for it (it stopped before this was applied)", when=_not_waiting)
 _stale_ignored = Ignore("reply to an earlier handshake attempt", when=_stale)
 _stale_loss_ignored = Ignore("the loss of another attempt's connection, not the current one", when=_stale_loss)
 
@@ -434,6 +445,7 @@ TABLE: Final[Table] = Table(
         on(
             S.UNKNOWN,
             EngineWanted,
+            _gone,
             Go(S.FAILED, _refuse_pp, when=_pp_unsupported, fault=local,
                reason="transport cannot serve pp_rank > 0", explain=_explain),
             Go(S.HANDSHAKING, _start),
@@ -443,7 +455,8 @@ TABLE: Final[Table] = Table(
         on(S.UNKNOWN, EvictRequested, Ignore("nothing to evict")),
         on(S.UNKNOWN, EngineQuarantined, Ignore("nothing to quarantine")),
         # HANDSHAKING: one handshake, shared by every waiting request.
-        on(S.HANDSHAKING, EngineWanted, Go(S.HANDSHAKING, _set_aside, when=_wanted_elsewhere, reason=_ELSEWHERE),
+        on(S.HANDSHAKING, EngineWanted, _gone,
+           Go(S.HANDSHAKING, _set_aside, when=_wanted_elsewhere, reason=_ELSEWHERE),
            Go(S.HANDSHAKING, _join)),
         on(
             S.HANDSHAKING,
@@ -460,7 +473,8 @@ TABLE: Final[Table] = Table(
         on(S.HANDSHAKING, EvictRequested, Ignore("a handshake is in progress")),
         on((S.HANDSHAKING, S.CONNECTING), EngineQuarantined, Go(S.FAILED, _quarantine)),
         # CONNECTING: the transport is adding the peer on the owner thread.
-        on(S.CONNECTING, EngineWanted, Go(S.CONNECTING, _set_aside, when=_wanted_elsewhere, reason=_ELSEWHERE),
+        on(S.CONNECTING, EngineWanted, _gone,
+           Go(S.CONNECTING, _set_aside, when=_wanted_elsewhere, reason=_ELSEWHERE),
            Go(S.CONNECTING, _join)),
         on(S.CONNECTING, HandshakeDone, _stale_ignored, Ignore("a reply was already accepted for this attempt")),
         on(S.CONNECTING, HandshakeFailed, _stale_ignored, Go(S.FAILED, _handshake_failed)),
@@ -471,7 +485,7 @@ TABLE: Final[Table] = Table(
         on(S.CONNECTING, PeerDisconnected, _stale_loss_ignored, Go(S.FAILED, _lost_while_connecting)),
         on(S.CONNECTING, EvictRequested, Ignore("a handshake is in progress")),
         # CONNECTED.
-        on(S.CONNECTED, EngineWanted,
+        on(S.CONNECTED, EngineWanted, _gone,
            Go(S.CONNECTED, _refuse_stalled, when=_stalled, reason="stalled: a cancelled read of it has not stopped"),
            Go(S.CONNECTED, _ready_now)),
         on(S.CONNECTED, _replies, Ignore("already connected: a stale reply")),
@@ -489,7 +503,7 @@ TABLE: Final[Table] = Table(
         ),
         on(S.CONNECTED, EngineQuarantined, Go(S.FAILED, _quarantine)),
         # FAILED: the next request retries, after a pause.
-        on(S.FAILED, EngineWanted, Go(S.FAILED, _fail_fast, when=_retry_later), Go(S.HANDSHAKING, _start)),
+        on(S.FAILED, EngineWanted, _gone, Go(S.FAILED, _fail_fast, when=_retry_later), Go(S.HANDSHAKING, _start)),
         on((S.FAILED, S.DISCONNECTED), _replies, Ignore("no handshake in progress: a stale reply")),
         on(S.FAILED, PeerDisconnected, Ignore("not connected")),
         on(S.DISCONNECTED, PeerDisconnected, Ignore("already disconnected")),
@@ -499,7 +513,7 @@ TABLE: Final[Table] = Table(
         on(S.FAILED, EngineQuarantined, Ignore("already failed")),
         on(S.DISCONNECTED, EngineQuarantined, Ignore("not connected")),
         # DISCONNECTED: never reused; handshaken again.
-        on(S.DISCONNECTED, EngineWanted, Go(S.HANDSHAKING, _start)),
+        on(S.DISCONNECTED, EngineWanted, _gone, Go(S.HANDSHAKING, _start)),
         # EVICTED: forgotten; the core starts a fresh machine for the next request.
         on(S.EVICTED, EngineWanted, Illegal(local, "an evicted engine is never reused")),
         on(S.EVICTED, (*_replies, PeerDisconnected, EvictRequested, EngineQuarantined),

@@ -300,6 +300,7 @@ class _TaggedRow(msgspec.Struct, array_like=True):
 
 
 _TAGGED_ROWS: Final = msgspec.msgpack.Decoder(list[_TaggedRow])
+_TAGGED_ROW: Final = msgspec.msgpack.Decoder(_TaggedRow)
 _MIN_RECORD_BYTES: Final = 8  # no encoded record is shorter: an array of 9 with a tagged event
 
 
@@ -311,8 +312,11 @@ def _unknown_event_types(payload: bytes) -> list[str]:
         rows = _TAGGED_ROWS.decode(payload)
     except (msgspec.MsgspecError, RecursionError):
         return []
-    known = {cls.__name__ for cls in ALL_EVENTS}
-    return sorted({row.event.tag for row in rows} - known)
+    return sorted({row.event.tag for row in rows} - _known_event_names())
+
+
+def _known_event_names() -> set[str]:
+    return {cls.__name__ for cls in ALL_EVENTS}
 
 
 def _array_len(payload: bytes) -> int | None:
@@ -859,20 +863,28 @@ class LogReader:
         """The records of an intact frame (its CRC held) that do not all decode: written so (an
         event built with a field of the wrong type, which msgpack encodes all the same). Each
         record that decodes is kept, each run of those that do not becomes one gap; None when the
-        frame is not an array of its ``n`` records in seq order, or when none decodes (that is no
-        writer's slip: corruption)."""
+        frame is not an array of its ``n`` records in seq order, each at least shaped as one (its
+        seq, then an event tagged with a class this pdfsm knows): anything else is corruption, not
+        a writer's slip."""
         try:
             raws = msgspec.msgpack.decode(fr.payload, type=list[msgspec.Raw])
         except (msgspec.MsgspecError, RecursionError):
             return None
         if len(raws) != fr.n:
             return None
+        known = _known_event_names()
         out: list[Record] = []
         gaps: list[Gap] = []
         for seq, raw in enumerate(raws, fr.base_seq):
             try:
                 rec = _RECORD.decode(raw)
             except (msgspec.MsgspecError, RecursionError) as e:
+                try:
+                    shape = _TAGGED_ROW.decode(raw)
+                except (msgspec.MsgspecError, RecursionError):
+                    return None
+                if shape.seq != seq or shape.event.tag not in known:
+                    return None
                 last = gaps[-1] if gaps else None
                 if last is not None and last.first_seq + last.count == seq:  # one gap per run
                     gaps[-1] = Gap(last.first_seq, last.count + 1, last.reason, last.path, last.offset)
@@ -882,8 +894,6 @@ class LogReader:
             if rec.seq != seq:
                 return None
             out.append(rec)
-        if not out:
-            return None
         self.gaps.extend(gaps)
         return out
 

@@ -93,15 +93,18 @@ class FsyncPolicy(msgspec.Struct, frozen=True):
     mode: Literal["always", "every", "never"]
     interval_ms: float = 0.0
 
+    def __post_init__(self) -> None:
+        # The writer waits this long: a bound it can wait (inf killed the writer thread at once).
+        if self.mode == "every" and not 0 < self.interval_ms <= _MAX_INTERVAL_MS:
+            raise ValueError(f"interval_ms must be positive and at most {_MAX_INTERVAL_MS} (a day), "
+                             f"got {self.interval_ms!r}")
+
     @classmethod
     def always(cls) -> FsyncPolicy:
         return cls("always")
 
     @classmethod
     def every(cls, interval_ms: float) -> FsyncPolicy:
-        if not 0 < interval_ms <= _MAX_INTERVAL_MS:  # the writer waits this long: a bound it can wait
-            raise ValueError(f"interval_ms must be positive and at most {_MAX_INTERVAL_MS} (a day), "
-                             f"got {interval_ms!r}")
         return cls("every", float(interval_ms))
 
     @classmethod

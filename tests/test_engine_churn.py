@@ -13,19 +13,22 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from helpers import reply
+from helpers import ev, make_core, read, reply
 
-from pdfsm.commands import HandOff
+from pdfsm.commands import HandOff, StartHandshake
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import (
     CoreConfig,
+    EngineWanted,
     HandleFailed,
     HandleFailure,
     HandshakeDone,
     HandshakeFailed,
     HandshakeReply,
+    NotificationReceived,
     PeerDisconnected,
     Source,
+    Tick,
 )
 from pdfsm.fsm import Fault
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
@@ -257,6 +260,29 @@ def test_a_request_aborted_while_set_aside_still_releases_the_moved_producer_onc
     w.check_invariants()
 
 
+def test_a_request_set_aside_that_stops_before_it_is_asked_again_starts_no_handshake() -> None:
+    """R (PP 2, at address B) waits on stage 1's attempt at B and is set aside at stage 0, whose
+    attempt runs at A. One late Tick passes both attempts' timeouts: stage 1's failure stops R, then
+    stage 0's end asks R again, in the same cascade. That started a handshake at B for a request
+    already stopped, and its EngineReady later reached a released request: a local violation,
+    raised in strict mode (found by review). Expected: the stale ask is ignored with its reason."""
+    core = make_core(strict=True, handshake_timeout_ns=1_000_000, handshake_retry_ns=10)
+    b, a = 10, 9
+    core.apply(read("p", t=0, remote_pp=2, port=b, lease_ns=10**12))  # both stages handshake at B
+    core.apply(ev(HandshakeFailed, 1, engine_id="P", pp_rank=0, attempt=1, error="refused"))  # stage 0 fails
+    core.apply(read("q", t=2_000, port=a, lease_ns=10**12))  # stage 0 now handshakes at A
+    core.apply(read("r", t=3_000, remote_pp=2, port=b, lease_ns=10**12))
+    e0 = core.engines[("P", 0)]
+    assert list(e0.aside) == ["r"] and "r" in core.engines[("P", 1)].waiters
+    core.take_commands()
+    core.apply(ev(Tick, 5_000_000))  # past both attempts' handshake timeouts
+    assert not [c for c in core.take_commands() if isinstance(c, StartHandshake)]
+    assert e0.state.name == "FAILED" and not e0.waiters
+    gone = [r for r in core.log.records() if isinstance(r.event, EngineWanted) and r.event.request_id == "r"]
+    assert gone[-1].reason.startswith("the request no longer waits"), gone[-1]
+    assert core.violations[Fault.LOCAL] == 0
+
+
 def test_request_within_the_pause_fails_fast_and_the_first_after_it_retries() -> None:
     """decisions.md "A failed handshake is retried only after a pause": within handshake_retry_ns of
     the failure a request fails at once with the cached error and its policy, its blocks invalid in
@@ -430,3 +456,56 @@ def test_producer_dying_between_its_reply_and_add_peer_fails_the_waiters_remotel
     w.run(4)
     assert w.reports["c"] == 1 and "c" not in w.failed() and w.received_ok("c", "P", [3])
     w.check_invariants()
+
+
+def test_a_heartbeat_that_missed_a_pp_stage_promises_nothing() -> None:
+    """A PP 2 producer whose stage 1 was not connected when the decode side heartbeated the params:
+    the heartbeat reached stage 0 alone. Recording the promise for the params as a whole made a load
+    refused past the lease notify stage 1 too, which had expired its hold at its own lease and
+    recorded "that read may have seen reused blocks" (found by review). A promise is kept only when
+    every rank was told; otherwise the load tells nobody past the lease, as before heartbeats
+    were remembered."""
+    ms = 1_000_000
+    w = World(handshake_retry_ns=20 * US, lease_margin_ns=ms)
+    ts = [SimTransport(w.net, f"P-pp{pp}", pp_rank=pp, num_blocks=64) for pp in range(2)]
+    ps = [Connector(CoreConfig(engine_id="P", compat_hash="h", pp_rank=pp, pp_size=2, lease_ns=40 * ms), ts[pp],
+                    SimHandshaker(w.net), clock=w.clock, port=9) for pp in range(2)]
+    for t in ts:
+        t.fill(range(64))
+    stage1_up = [False]
+
+    def answer(pp: int) -> HandshakeReply:
+        ok = pp == 0 or stage1_up[0]
+        return reply("P", pp_rank=pp, pp_size=2, ranks=(ts[pp].rank_info(),), num_blocks=64,
+                     compat_hash="h" if ok else "another build")
+
+    w.net.serve("127.0.0.1", 9, answer)
+
+    def step(n: int = 1, dt: int = US) -> None:
+        w.run(n, dt)
+        for p in ps:
+            p.get_finished()
+
+    def minted(prid: str, blocks: list[int], **kw: Any) -> KVTransferParams:
+        params = ps[0].request_finished(prid, blocks, **kw)
+        ps[1].request_finished(prid, blocks, **kw)
+        return params
+
+    w.load("warm", [1], minted("pw", [1]))  # stage 0 connects, stage 1 is refused
+    step(4)
+    issued_at = w.now
+    params = minted("p1", [2], issued_wall_ns=10**18)
+    assert w.d.heartbeat(params, extend_ns=400 * ms) == 1  # stage 0 only
+    step(1)
+    stage1_up[0] = True
+    w.now += 30 * US
+    w.load("other", [3], minted("p2", [3]))  # connects stage 1
+    step(4)
+    step(1, dt=60 * ms)  # past the 40 ms lease: stage 1 expired p1
+    w.d.load("d1", [4], params, lease_start_ns=issued_at)
+    w.loaded["d1"] = (4,)
+    step(3)
+    assert "lease" in w.offs["d1"].reason
+    late = [r for r in ps[1].core.log.records() if isinstance(r.event, NotificationReceived)
+            and r.event.request_id == "p1"]
+    assert not late, [(r.state, r.reason) for r in late]

@@ -265,9 +265,9 @@ def test_a_frame_of_non_records_is_corruption_and_costs_no_object_per_byte(
     assert code == 4 and "gap:" not in out
 
 
-def test_a_frame_of_which_no_record_decodes_is_corruption(tmp_path: Path) -> None:
-    """Row-shaped arrays of the right count, none of them a record: not a writer's slip (salvage keeps
-    a frame of which *some* records do not decode), corruption."""
+def test_a_frame_of_rows_not_shaped_as_records_is_corruption(tmp_path: Path) -> None:
+    """Arrays of the right count whose event is no tagged event: not a writer's slip (salvage keeps
+    records that are shaped as records but do not decode), corruption."""
     import msgspec
 
     rows = [[seq, 7, "core", "NEW", "NEW", 0, "", None, None] for seq in range(3)]
@@ -299,3 +299,20 @@ def test_fsync_interval_out_of_bounds_is_refused_when_built(interval: float) -> 
 
     with pytest.raises(ValueError, match="interval_ms"):
         FsyncPolicy.every(interval)
+
+
+def test_a_frame_holding_only_an_ill_typed_record_is_a_gap_not_corruption(tmp_path: Path) -> None:
+    """The writer's slip salvage exists for (an event built with a float time, which msgpack encodes
+    all the same), alone in its frame, as after a quiet step: a one-record gap, the records around it
+    read. A review of the hardening above found it refused the whole log as corrupt."""
+    from pdfsm.events import AbortRequested
+    from pdfsm.filelog import LogReader
+
+    records = _records()
+    import msgspec
+
+    bad = msgspec.structs.replace(records[3], event=AbortRequested(source="s", t_ns=1.5e9, request_id="x"))  # type: ignore[arg-type]
+    log = _write(tmp_path / "decode-tp0", [*records[:3], bad, *records[4:]], batch=1)  # a frame per record
+    reader = LogReader(log)
+    assert [r.seq for r in reader] == [r.seq for r in records if r.seq != bad.seq]
+    assert [(g.first_seq, g.count) for g in reader.gaps] == [(bad.seq, 1)]
