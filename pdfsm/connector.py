@@ -159,6 +159,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
                                                    "read and no hold to release (vLLM PR 18590: no notification "
                                                    "for such a request)")
         _check_id("remote_host", parsed.remote_host)  # "" names no listener: every handshake would fail
+        if not _encodes(parsed.remote_incarnation):  # every other string is checked as an id
+            raise InvalidInput("remote_incarnation", "must be valid Unicode (no lone surrogates)")
+        if len(set(parsed.remote_block_ids)) != len(parsed.remote_block_ids):
+            raise InvalidInput("remote_block_ids", "a block id is repeated: one block holds one position of a "
+                                                   "prompt, and two local blocks would get the same bytes")
         if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
             raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
                                                         f"with PP {parsed.remote_pp_size}")
@@ -274,6 +279,8 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     if not isinstance(cfg.compat_hash, str) or len(cfg.compat_hash) > MAX_HASH_CHARS:  # what a handshake carries
         raise InvalidInput("compat_hash", f"must be a string of at most {MAX_HASH_CHARS} characters, "
                                           f"got {cfg.compat_hash!r:.80}")
+    if not _encodes(cfg.compat_hash):  # the log's first record (Started) carries it: replay starts from it
+        raise InvalidInput("compat_hash", "must be valid Unicode (no lone surrogates)")
     for name in ("tp_size", "pp_size"):
         _check_int(name, getattr(cfg, name), low=1, high=MAX_RANKS)
     _check_int("tp_rank", cfg.tp_rank, low=0, high=cfg.tp_size - 1)
@@ -485,6 +492,8 @@ class Connector:
                      issued_wall_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
         blocks = _check_blocks("block_ids", block_ids, self.transport.capabilities.num_blocks)
+        if len(set(blocks)) != len(blocks):  # a consumer would read one block's bytes into two positions
+            raise InvalidInput("block_ids", "a block id is repeated")
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
             raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
                                             "and has no params to give")

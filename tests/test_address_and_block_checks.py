@@ -12,14 +12,14 @@ from helpers import collect, ev, make_core, read, reply
 from test_field_regressions import World
 
 from pdfsm.commands import DropPeer, HandOff, PostRead, SendNotification, StartHandshake
-from pdfsm.connector import ConnectorMetadata, KVTransferParams
+from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
 from pdfsm.core import Core
 from pdfsm.errors import InvalidInput
-from pdfsm.events import HandleDone, HandshakeDone, HandshakeFailed, PeerAdded, PeerDisconnected
+from pdfsm.events import CoreConfig, HandleDone, HandshakeDone, HandshakeFailed, PeerAdded, PeerDisconnected
 from pdfsm.filelog import CorruptLogError, LogReader, TornTailError, read_log, recover, segment_paths
 from pdfsm.filesink import FileSink, FsyncPolicy
 from pdfsm.log import Record
-from transports.sim import ReadScript, pattern
+from transports.sim import ReadScript, SimHandshaker, SimTransport, pattern
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -349,3 +349,40 @@ def test_reopening_with_read_only_segments_and_a_torn_copy_appends_contiguously(
     with FileSink(directory, fsync=FsyncPolicy.always()) as third:
         third.write([row(s) for s in range(12, 15)])
     assert read_log(directory) == [Record.of(row(s)) for s in range(15)]
+
+
+# --- input the Connector refuses by name (review of its entry points) -----------------------------
+
+
+def test_a_hold_or_params_naming_one_block_twice_is_refused() -> None:
+    """``request_finished("p1", [5, 5])`` was accepted and its params loaded into local blocks 10 and
+    11: the request was reported received with block 5's bytes in both, the second position's KV
+    silently wrong (found by review). One block holds one position of a prompt: a repeat is a
+    scheduler's bug, refused by name wherever it enters; nothing is accepted."""
+    w = World()
+    p = w.producer("P-0", "P", 9)
+    with pytest.raises(InvalidInput, match="block_ids: a block id is repeated"):
+        p.request_finished("p1", [5, 5])
+    with pytest.raises(InvalidInput, match=r"reqs_to_send\['p2'\]"):
+        p.start_load_kv(ConnectorMetadata(reqs_to_send={"p2": (7, 7, 7)}))
+    assert not p.core.producers and not p.core.log.inbox
+    params = p.request_finished("p3", [5, 6]).to_dict() | {"remote_block_ids": [5, 5]}  # a router's slip
+    with pytest.raises(InvalidInput, match="remote_block_ids: a block id is repeated"):
+        w.d.load("d3", [10, 11], params)
+    assert not w.d.core.consumers and not w.d.core.log.inbox
+
+
+def test_strings_no_log_record_could_carry_are_refused_by_name() -> None:
+    """A lone surrogate in ``compat_hash`` was accepted, and the log lost its first record (the
+    config replay starts from): the log could not be replayed at all; in ``remote_incarnation`` the
+    load's record was lost (found by review). Both are refused before anything is accepted, as every
+    id already was."""
+    w = World()
+    with pytest.raises(InvalidInput, match="compat_hash: must be valid Unicode"):
+        Connector(CoreConfig(engine_id="X", compat_hash="model-\udc80"), SimTransport(w.net, "X-0"),
+                  SimHandshaker(w.net))
+    p = w.producer("P-0", "P", 9)
+    params = p.request_finished("p1", [5]).to_dict() | {"remote_incarnation": "inc-\udc80"}
+    with pytest.raises(InvalidInput, match="remote_incarnation: must be valid Unicode"):
+        w.d.load("d1", [10], params)
+    assert not w.d.core.consumers and not w.d.core.log.inbox

@@ -44,6 +44,10 @@ from pdfsm.testing.world import STEP_NS, UNIT_NS
     ({"policy": "retry"}, r"policy must be one of \('recompute', 'fail'\), got 'retry'"),
     ({"faults": "read-err"}, "faults must be a frozenset of fault names, got 'read-err'"),  # was a TypeError
     ({"faults": ["read-err"]}, "faults must be a frozenset of fault names"),
+    # TP sizes that cannot exchange blocks: every request failed at once and every hunt passed (review)
+    ({"consumer_tp": 3, "producer_tp": 2}, "consumer_tp 3 and producer_tp 2: TP sizes must divide"),
+    ({"consumer_tp": 2, "producer_tp": 3}, "TP sizes must divide one another"),
+    ({"prefix": "prefill: p0"}, "prefix must be a tuple of step names"),  # was "step 'p' is not enabled"
 ])
 def test_a_scenario_that_would_test_nothing_is_refused_naming_the_field(fields: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -287,3 +291,11 @@ def test_race_examples_variable_sets_the_budget(monkeypatch: pytest.MonkeyPatch)
     assert examples_from_env() == 25
     monkeypatch.delenv("PDFSM_RACE_EXAMPLES")
     assert examples_from_env() == 300
+
+
+def test_quirks_given_as_a_string_are_refused_by_name() -> None:
+    """``Variant(quirks="notify-on-post")`` failed with "unsupported operand type(s) for -" (review)."""
+    from pdfsm.testing.world import Variant
+
+    with pytest.raises(ValueError, match="quirks must be a frozenset of quirk names"):
+        Variant(quirks="notify-on-post")  # type: ignore[arg-type]

@@ -73,6 +73,7 @@ from pdfsm.events import (
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog, MemorySink, Outcome, Record
 from pdfsm.timers import Timers
+from pdfsm.topology import TopologyError, tp_ratio
 from pdfsm.wire import Notification
 
 # Who stamps each event the world makes, as in production: a counterexample's trace then puts
@@ -169,6 +170,13 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
         stray = [i for i in self.notify_only if not 0 <= i < self.requests]
         if stray:  # they would quietly be ignored
             raise ValueError(f"Scenario.notify_only {stray}: request indices are 0..{self.requests - 1}")
+        try:  # TP sizes that cannot exchange blocks: every request failed at once, and every hunt passed
+            tp_ratio(self.consumer_tp, self.producer_tp)
+        except TopologyError as exc:
+            raise ValueError(f"Scenario.consumer_tp {self.consumer_tp} and producer_tp {self.producer_tp}: "
+                             f"{exc}") from None
+        if isinstance(self.prefix, str):  # a plain string is a sequence of letters, each taken for a step
+            raise ValueError(f"Scenario.prefix must be a tuple of step names, got {self.prefix!r}")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -199,6 +207,8 @@ class Variant:
     scenario: Scenario | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.quirks, (frozenset, set)) or not all(isinstance(q, str) for q in self.quirks):
+            raise ValueError(f"Variant.quirks must be a frozenset of quirk names, got {self.quirks!r}")
         unknown = self.quirks - QUIRKS
         if unknown:  # a misspelt quirk would quietly test the real adapter
             raise ValueError(f"unknown quirks {sorted(unknown)}: known are {sorted(QUIRKS)}")
