@@ -161,9 +161,6 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         _check_id("remote_host", parsed.remote_host)  # "" names no listener: every handshake would fail
         if not _encodes(parsed.remote_incarnation):  # every other string is checked as an id
             raise InvalidInput("remote_incarnation", "must be valid Unicode (no lone surrogates)")
-        if len(set(parsed.remote_block_ids)) != len(parsed.remote_block_ids):
-            raise InvalidInput("remote_block_ids", "a block id is repeated: one block holds one position of a "
-                                                   "prompt, and two local blocks would get the same bytes")
         if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
             raise InvalidInput("remote_incarnation_pp", f"{parsed.remote_incarnation_pp} names no stage of a producer "
                                                         f"with PP {parsed.remote_pp_size}")
@@ -492,8 +489,6 @@ class Connector:
                      issued_wall_ns: int | None) -> BlocksHeld:
         rid = _check_id("request_id", request_id)
         blocks = _check_blocks("block_ids", block_ids, self.transport.capabilities.num_blocks)
-        if len(set(blocks)) != len(blocks):  # a consumer would read one block's bytes into two positions
-            raise InvalidInput("block_ids", "a block id is repeated")
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
             raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
                                             "and has no params to give")

@@ -354,22 +354,21 @@ def test_reopening_with_read_only_segments_and_a_torn_copy_appends_contiguously(
 # --- input the Connector refuses by name (review of its entry points) -----------------------------
 
 
-def test_a_hold_or_params_naming_one_block_twice_is_refused() -> None:
-    """``request_finished("p1", [5, 5])`` was accepted and its params loaded into local blocks 10 and
-    11: the request was reported received with block 5's bytes in both, the second position's KV
-    silently wrong (found by review). One block holds one position of a prompt: a repeat is a
-    scheduler's bug, refused by name wherever it enters; nothing is accepted."""
+def test_a_hold_naming_one_block_twice_is_held_and_read_as_its_table_says() -> None:
+    """A review took ``request_finished("p1", [5, 5])`` for a scheduler's bug (two local blocks get
+    block 5's bytes). It is not: vLLM's block tables repeat its null block (block 0, for positions a
+    sliding window or a hybrid model skips), and tests/test_layout_bytes.py moves such tables byte
+    for byte. A repeated remote id is read into each local position that pairs with it; repeated
+    *local* ids stay refused (two reads would race to write one block)."""
     w = World()
     p = w.producer("P-0", "P", 9)
-    with pytest.raises(InvalidInput, match="block_ids: a block id is repeated"):
-        p.request_finished("p1", [5, 5])
-    with pytest.raises(InvalidInput, match=r"reqs_to_send\['p2'\]"):
-        p.start_load_kv(ConnectorMetadata(reqs_to_send={"p2": (7, 7, 7)}))
-    assert not p.core.producers and not p.core.log.inbox
-    params = p.request_finished("p3", [5, 6]).to_dict() | {"remote_block_ids": [5, 5]}  # a router's slip
-    with pytest.raises(InvalidInput, match="remote_block_ids: a block id is repeated"):
-        w.d.load("d3", [10, 11], params)
-    assert not w.d.core.consumers and not w.d.core.log.inbox
+    params = p.request_finished("p1", [5, 5, 6])
+    w.d.load("d1", [10, 11, 12], params)
+    w.run()
+    assert "d1" in w.received and w.released == ["p1"]
+    assert all(w.cons.block(lb) == pattern("P-0", rb, 64) for lb, rb in zip([10, 11, 12], [5, 5, 6], strict=True))
+    with pytest.raises(InvalidInput, match="local_block_ids: a block id is repeated"):
+        w.d.load("d2", [13, 13], p.request_finished("p2", [7, 8]))
 
 
 def test_strings_no_log_record_could_carry_are_refused_by_name() -> None:
