@@ -643,7 +643,7 @@ class Connector:
 
     @_one_caller
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
-        """Everything one scheduler step asks of this worker, then one round of progress.
+        """Everything one scheduler step asks of this worker, then one :meth:`step`.
 
         Every entry is checked before any is submitted: a bad one raises InvalidInput
         naming it, and the step is refused whole."""
