@@ -244,7 +244,9 @@ def _sync(
 
     # 1. Agree, so that every rank raises or none does (no rank left waiting in step 2).
     encoded = _encode(engine_id)
-    index = None if isinstance(src, bool) else _as_int(src)  # numpy's and torch's integers too; True is no rank
+    # numpy's and torch's integers too; True is no rank, nor a torch bool tensor (which __index__ takes)
+    boolean = isinstance(src, bool) or getattr(src, "dtype", None) is torch.bool
+    index = None if boolean else _as_int(src)
     bad_src = index is None or not 0 <= index < size
     s = 0 if index is None or bad_src else index
     bad_fingerprint = isinstance(fingerprint, str)

@@ -454,6 +454,8 @@ def _check(args: argparse.Namespace, out: Outcome, prefill_killed: bool) -> None
                                 f"twice, {acc.in_flight} requests open")
         if acc.local_violations:
             out.problems.append(f"{role}: {acc.local_violations} illegal events blamed on us")
+        if acc.early_frees:  # as the soak checks: a block freed while a read could still write it
+            out.problems.append(f"{role}: {acc.early_frees} requests freed blocks a read could still write")
     for log, records, error in replayed(out.logs):
         out.records[log] = records
         if error:

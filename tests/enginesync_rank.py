@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import msgspec
+import torch
 import torch.distributed as dist
 
 from pdfsm.enginesync import MAX_ID_BYTES, sync_engine_id
@@ -67,6 +68,8 @@ def main(store: str, rank: int, world: int, out: Path, node_ids: list[str]) -> N
     results["too_long_on_rank3"] = attempt(lambda: sync_engine_id(TOO_LONG if rank == 3 else own, tp))
     results["src_disagrees"] = attempt(lambda: sync_engine_id(own, tp, src=1 if rank == 2 else 0))
     results["src_outside"] = attempt(lambda: sync_engine_id(own, tp, src=7 if rank == 1 else 0))
+    # A torch bool tensor passes operator.index as 1: it was adopted as rank 1 (review); True is no rank.
+    results["src_bool_tensor"] = attempt(lambda: sync_engine_id(own, tp, src=torch.tensor(True)))
     # The group is still in step after every refusal.
     results["after"] = attempt(lambda: sync_engine_id(own, tp))
     dist.destroy_process_group()

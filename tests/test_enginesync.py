@@ -248,7 +248,8 @@ def test_a_too_long_id_on_one_rank_is_refused_on_every_rank(ranks: Reports, scen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("scenario", "says"), [("src_disagrees", "different sources"), ("src_outside", "0 to 3")])
+@pytest.mark.parametrize(("scenario", "says"), [("src_disagrees", "different sources"), ("src_outside", "0 to 3"),
+                                                ("src_bool_tensor", "got tensor(True)")])
 def test_bad_or_disagreeing_src_is_refused_on_every_rank(ranks: Reports, scenario: str, says: str) -> None:
     for r in range(WORLD):
         o = ranks[r][scenario]
