@@ -70,7 +70,6 @@ class BuildHotPath(build_ext):
         except Exception as exc:  # noqa: BLE001 (no C compiler, say: the package works without)
             print(f"pdfsm: the hot path was not compiled ({type(exc).__name__}: {exc}); building pure Python")
             return
-        out.mkdir(parents=True, exist_ok=True)
         (out / STAMP).write_text(stamp())
 
     def get_outputs(self) -> list[str]:

@@ -131,15 +131,12 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     return min(timeout, trust), trust
 
 
-def notify_until(ev: ReadRequested, core: Core) -> int | None:
-    """Until when a notification can still find the producer holding the blocks (None: the lease
-    is not known): the trust bound, or the end this worker's heartbeats asked for less the margin
-    if later. A request that stops after its trust bound but within that still tells the producer,
-    which would otherwise keep the blocks for the whole extension, then blame this side."""
-    if not ev.lease_ns:
-        return None
-    trust = times_of(ev, core)[1]
-    return max(trust, ev.promised_ns - core.config.lease_margin_ns) if ev.promised_ns else trust
+def notify_until(req: ReadRequested, trust: int, core: Core) -> int:
+    """Until when a notification can still find the producer holding the blocks: the trust bound
+    (:func:`times_of`), or the end this worker's heartbeats asked for less the margin if later. A
+    request that stops after its trust bound but within that still tells the producer, which
+    would otherwise keep the blocks for the whole extension, then blame this side."""
+    return max(trust, req.promised_ns - core.config.lease_margin_ns) if req.promised_ns else trust
 
 
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -272,17 +269,14 @@ def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -
     release and look like a read of reused blocks (vLLM PR 41269's late rejection notices).
     Judged at the latest time the core has applied, not the request's stamp: a request stamped
     before a Tick past the lease but applied after it would otherwise notify a released hold."""
-    until = notify_until(ev, core)
-    return not ev.local_blocks and until is not None and until <= max(ev.t_ns, core.latest_t_ns)
+    return (not ev.local_blocks and ev.lease_ns > 0
+            and notify_until(ev, times_of(ev, core)[1], core) <= max(ev.t_ns, core.latest_t_ns))
 
 
 def _lease_ended(m: ConsumerRequest, t_ns: int, core: Core) -> bool:
     """Past :func:`notify_until`: the producer may have released, so it is told nothing more."""
     req = m.req
-    if req is None:
-        return False
-    until = notify_until(req, core)
-    return until is not None and t_ns >= until
+    return req is not None and req.lease_ns > 0 and m.trust is not None and t_ns >= notify_until(req, m.trust, core)
 
 
 def _lease_over_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
@@ -547,7 +541,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
             continue
         e = core.engines.get((eid, pp))
         handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
-        trust = notify_until(req, core) if _may_owe(req) else None
+        trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core)
         if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269).
@@ -631,6 +625,7 @@ def _refuse_layout(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
 
 def _refuse_lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
     _refuse(m, ev, core, "the producer's lease may already have run out: its blocks cannot be trusted", True)
+    m.trust = times_of(ev, core)[1]
     _notify_unread(m, core, ev.t_ns, connected_only=True)  # held still only if heartbeats asked (notify_until)
 
 

@@ -235,8 +235,7 @@ class Core:
         self.apply(Started(source=Source.CORE, t_ns=t_ns, config=config))
 
     def _build_routes(self) -> dict[type, Route]:
-        """Per event type: (machines, compiled cells by state, keyed by engine, machine name, maker,
-        remembered, target); the core's own events have no maker."""
+        """Per event type, its :class:`Route`; the core's own events get ``_CORE_ROUTE`` (no maker)."""
         routes: dict[type, Route] = dict.fromkeys(ALL_EVENTS, _CORE_ROUTE)
         for target, machines, table, make in (
             (CONSUMER, self.consumers, self.tables.consumer, consumer.ConsumerRequest),
@@ -310,9 +309,8 @@ class Core:
             while queue:
                 ev = popleft()
                 m = None
-                route = routes.get(type(ev))
-                if route is None:  # not an event type any table or the core knows: the core records it
-                    route = _CORE_ROUTE
+                # An event type no table or the core knows: the core records it.
+                route = routes.get(type(ev), _CORE_ROUTE)
                 make, name = route.make, route.name
                 if make is None:  # a core event
                     log.next_seq = seq

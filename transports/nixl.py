@@ -665,15 +665,8 @@ class NixlTransport:
                 self._emit(HandleDone(source=Source.TRANSFER, t_ns=now, request_id=read.cmd.request_id,
                                       pp_rank=src.pp_rank, tp_rank=src.tp_rank))
             elif read.state != "PROC":  # a read whose post raised may lack GETs even when DONE
-                # As for a raising poll: a release NIXL refuses as still active (GETs may still
-                # land) keeps the read, released and reported at a later poll.
-                if read.handle is not None and not self._released(read.handle):
-                    if not read.held:
-                        read.held = True
-                        _log.warning("read ended but NIXL refused to release it: retried until it does",
-                                     request_id=read.cmd.request_id, state=read.state)
+                if not self._let_go(read, f"read ended {read.state}"):
                     continue
-                read.handle = None
                 self._end(read, HandleFailure.RAISED if read.raised else HandleFailure.ERR,
                           read.raised or f"transfer state {read.state}")
         self._drain_notifications(now)
@@ -688,17 +681,24 @@ class NixlTransport:
         # unreleased one leaks UCX requests, so it is released; a release that raises is logged.
         # One NIXL refuses as still active (REPOST_ACTIVE) may still be writing into our blocks:
         # as for a cancel NIXL refuses, the read is polled again, never reported stopped before.
-        if not self._released(read.handle):
-            if not read.held:
-                read.held = True
-                _log.warning("poll raised and NIXL refused to release it: polling until it ends",
-                             request_id=read.cmd.request_id, error=detail)
+        if not self._let_go(read, f"poll raised {detail}"):
             return
-        read.handle = None
         if isinstance(exc, self._errors["disconnect"]):
             self._gone(read, detail)
         else:
             self._end(read, HandleFailure.RAISED, detail)
+
+    def _let_go(self, read: _Read, what: str) -> bool:
+        """Release a read's handle; False, the read kept and polled again, while NIXL refuses as
+        still active (GETs may still land in our blocks: the cancel rule), warned about once."""
+        if read.handle is not None and not self._released(read.handle):
+            if not read.held:
+                read.held = True
+                _log.warning("NIXL refused to release a read: kept until it does", request_id=read.cmd.request_id,
+                             what=what)
+            return False
+        read.handle = None
+        return True
 
     def _gone(self, read: _Read, detail: str) -> None:
         """End ``read`` DISCONNECTED and report its engine gone, once until it is added again."""

@@ -146,12 +146,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     max_steps: int = 40
 
     def __post_init__(self) -> None:
-        if not isinstance(self.faults, (frozenset, set)) or not all(isinstance(f, str) for f in self.faults):
-            # A plain string is an iterable of letters: it failed later with a cryptic TypeError.
-            raise ValueError(f"Scenario.faults must be a frozenset of fault names, got {self.faults!r}")
-        unknown = self.faults - FAULTS - EXTRA_FAULTS
-        if unknown:  # a misspelt fault would quietly be searched without
-            raise ValueError(f"unknown faults {sorted(unknown)}: known are {sorted(FAULTS | EXTRA_FAULTS)}")
+        _check_names("Scenario.faults", "fault", self.faults, FAULTS | EXTRA_FAULTS)
         # A size of 0 made a world with no rank to check (every hunt passed) or failed mid-search;
         # the times CoreConfig's check (pdfsm.connector._check_config) refuses are refused here too:
         # a lease or read timeout of 0 made every read fail at once, and every hunt pass.
@@ -177,6 +172,16 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
                              f"{exc}") from None
         if isinstance(self.prefix, str):  # a plain string is a sequence of letters, each taken for a step
             raise ValueError(f"Scenario.prefix must be a tuple of step names, got {self.prefix!r}")
+
+
+def _check_names(field: str, kind: str, value: object, known: frozenset[str]) -> None:
+    """A set of names, each known: a plain string is an iterable of letters (it failed later with a
+    cryptic TypeError), and a misspelt name would quietly be left out of the search."""
+    if not isinstance(value, (frozenset, set)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{field} must be a frozenset of {kind} names, got {value!r}")
+    unknown = value - known
+    if unknown:
+        raise ValueError(f"unknown {kind}s {sorted(unknown)}: known are {sorted(known)}")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -207,11 +212,7 @@ class Variant:
     scenario: Scenario | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.quirks, (frozenset, set)) or not all(isinstance(q, str) for q in self.quirks):
-            raise ValueError(f"Variant.quirks must be a frozenset of quirk names, got {self.quirks!r}")
-        unknown = self.quirks - QUIRKS
-        if unknown:  # a misspelt quirk would quietly test the real adapter
-            raise ValueError(f"unknown quirks {sorted(unknown)}: known are {sorted(QUIRKS)}")
+        _check_names("Variant.quirks", "quirk", self.quirks, QUIRKS)
 
 
 class InvariantViolation(AssertionError):
@@ -231,9 +232,8 @@ def _record_crash(core: Core, ev: Event, exc: BaseException) -> int:
     machine, before, cause, crashed = "core", "-", None, ev
     if core.crash is not None and core.crash[0] is exc:
         _, crashed, m, cause = core.crash
-        route = core._routes.get(type(crashed))  # the machine the loop picked for it
-        if route is not None and route.make is not None and m is not None:
-            machine, before = route.name, m.state.name
+        if m is not None:  # set only on a table's route: the machine the loop picked for it
+            machine, before = core._routes[type(crashed)].name, m.state.name
     core.log.append(crashed, machine, before, before, Outcome.REJECTED,
                     f"crashed: {type(exc).__name__}: {exc}", Fault.LOCAL, cause)
     core.log.flush()
