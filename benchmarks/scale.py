@@ -93,6 +93,9 @@ class StubTransport:
             for ev in due:
                 self.submit(ev)
 
+    def stop_reads(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -908,6 +908,15 @@ class Connector:
             for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
                 self.abort(rid)
             self.step()
+            # Reads a cancel did not stop (NIXL's "wait" policy) end now, while the transport can
+            # still send: the requests they held tell their producers at the next step, which
+            # would otherwise wait out a lease and blame us (found by review).
+            with self.core.log.owner_waiting():
+                try:
+                    self.transport.stop_reads()
+                except Exception:  # noqa: BLE001 - close() still stops them; the error is logged
+                    _log.exception("stop_reads failed", part=type(self.transport).__name__)
+            self.step()
         except Exception:
             # The log could not be written (a full disk): nothing can be reported, but the
             # transport still stops, so no read writes blocks the embedder is about to free.

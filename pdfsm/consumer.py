@@ -266,7 +266,8 @@ def _lease_over(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """Nothing to read and the lease known to be over (past :func:`notify_until`, so also with the
     clocks' skew): the producer releases by itself; a notification now would reach it after its
-    release and look like a read of reused blocks (vLLM PR 41269's late rejection notices).
+    release, to no use (an older producer, or one that forgot the hold, would record it as a
+    violation: vLLM PR 41269's late rejection notices).
     Judged at the latest time the core has applied, not the request's stamp: a request stamped
     before a Tick past the lease but applied after it would otherwise notify a released hold."""
     return (not ev.local_blocks and ev.lease_ns > 0
@@ -516,8 +517,9 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     ``connected_only``, only the ranks of engines that are connected: a request stopping before it
     read, while a PP producer's stage 1 still handshakes, tells stage 0 instead of pinning its
     blocks a whole lease; the others cannot be told).
-    Not once the lease the params gave is over: the producer released by itself, and a notice
-    now reads there as a read of reused blocks (vLLM PR 41269's late notices). Not when the
+    Not once the lease the params gave is over: the producer released by itself (a notice then is
+    of no use, and an older producer reads it as a read of reused blocks: vLLM PR 41269's late
+    notices; these say ``unread``). Not when the
     params contradict a connected engine of the plan either: they may name the wrong ranks, or
     another engine, or a process that has restarted since (its successor never held them)."""
     req, plan = m.req, m.plan
@@ -531,7 +533,8 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     # reads were posted (a restarted producer), needs the check again.
     if (connected_only or (m.attempts and m.attempts != _attempts(m, core))) and disagreement(req, core) is not None:
         return
-    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.config.engine_id)
+    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.config.engine_id,
+                        unread=True)
     eid = req.engine_id
     unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
     for pp, tp in unread + list(plan.notify_only):

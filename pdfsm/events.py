@@ -340,13 +340,15 @@ class BlocksHeld(_ProducerEvent, frozen=True):
 
 
 class NotificationReceived(_ProducerEvent, frozen=True):
-    """Consumer part ``part`` of ``of`` says it has read this request's blocks."""
+    """Consumer part ``part`` of ``of`` says it has read this request's blocks (``unread``: that it
+    takes nothing from them, so the producer may release them)."""
 
     part: int
     of: int
     sender: str = ""
     issued_wall_ns: int = 0  # the hold read, by its params' issue time (0: not said)
     consumer: str = ""  # the consumer engine that read ("": not said); each engine's parts count apart
+    unread: bool = False  # a release: the consumer says it takes nothing from this rank (not a read's end)
 
 
 class Heartbeat(_ProducerEvent, frozen=True):

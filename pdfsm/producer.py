@@ -61,7 +61,7 @@ class ProducerRequest:
     """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
     __slots__ = ("block_ids", "consumer", "deadline", "extended_to", "issued", "of", "others", "outcome", "parts",
-                 "promised_for", "request_id", "state", "t_start")
+                 "promised_for", "read_noticed", "request_id", "state", "t_start")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -81,6 +81,7 @@ class ProducerRequest:
         self.t_start = 0
         self.issued = 0  # the hold's params' issue time, or the staged notifications' (0: not said)
         self.promised_for = 0  # the issue time of the hold an early heartbeat's promise is for (0: not said)
+        self.read_noticed = False  # a staged notice said a read ended (not ``unread``)
 
     def __repr__(self) -> str:
         return f"ProducerRequest({self.request_id!r}, {self.state})"
@@ -165,6 +166,17 @@ def _foreign_deadline(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
 
 def _malformed(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
     return not 0 <= ev.part < ev.of
+
+
+def _unread(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
+    return ev.unread
+
+
+def _only_unread_notices(m: ProducerRequest, ev: LeaseExpired, core: Core) -> bool:
+    """Every staged notice said its consumer took nothing: a release of a hold forgotten since (a
+    late notice, heartbeats having kept the consumer telling) or of one never registered here (a
+    wrong id, vLLM PR 36958): the producer cannot tell which, but nothing was read."""
+    return m.of > 0 and not m.read_noticed
 
 
 def _disagrees_on_count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
@@ -252,8 +264,13 @@ def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
         m.issued = ev.issued_wall_ns
 
 
+def _count_staged(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
+    _count(m, ev, core)
+    m.read_noticed = m.read_noticed or not ev.unread
+
+
 def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    _count(m, ev, core)  # names the staged hold by this notification's issue time
+    _count_staged(m, ev, core)  # names the staged hold by this notification's issue time
     m.t_start = ev.t_ns
     m.deadline = ev.t_ns + core.config.lease_ns  # its lease started before it was sent: keep it a lease
     core.stage(m)
@@ -264,10 +281,11 @@ def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     the hold the scheduler is about to register (or has, on the minting rank)."""
     _uncount(m)
     m.issued = 0
+    m.read_noticed = False
     core.leases.disarm(m.request_id, m.deadline)
     m.deadline = max(m.deadline, ev.t_ns + core.config.lease_ns)
     core.leases.arm(m.request_id, m.deadline)
-    _count(m, ev, core)
+    _count_staged(m, ev, core)
 
 
 def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
@@ -378,15 +396,18 @@ TABLE: Final[Table] = Table(
         on(S.STAGED, NotificationReceived, _bad_part,
            Go(S.STAGED, _restage, when=_of_a_later_hold, fault=remote,
               reason="staged notifications were of an earlier hold of this request id: replaced"),
-           _other_hold, Go(S.STAGED, _count, when=_another_consumer, fault=remote, reason=_two_consumers,
+           _other_hold, Go(S.STAGED, _count_staged, when=_another_consumer, fault=remote, reason=_two_consumers,
                            explain=_name_consumers),
-           _bad_count, _dup, Go(S.STAGED, _count)),
+           _bad_count, _dup, Go(S.STAGED, _count_staged)),
         on(S.STAGED, Heartbeat, Go(S.STAGED, _extend_staged)),
         on(
             S.STAGED,
             LeaseExpired,
             Go(S.DISCARDED, _discard, when=_only_heartbeats, fault=remote,
                reason="heartbeats for a request that was never registered"),
+            Go(S.DISCARDED, _discard, when=_only_unread_notices, fault=remote,
+               reason="release notices for a request not held here: never registered, or a hold that expired and "
+                      "was forgotten since (a late release; nothing was read)"),
             Go(S.DISCARDED, _discard, fault=remote, reason="notification for a request that was never registered"),
         ),
         on(S.STAGED, StagedDropped, Go(S.DISCARDED, _discard, fault=remote,
@@ -417,7 +438,8 @@ TABLE: Final[Table] = Table(
         on((S.RELEASED, S.EXPIRED, S.DISCARDED), BlocksHeld, _reused),
         on(S.RELEASED, NotificationReceived,
            Illegal(remote, "notification for a request already released: duplicate or late")),
-        on(S.EXPIRED, NotificationReceived,
+        on(S.EXPIRED, NotificationReceived, _bad_part,
+           Ignore("a late release: the consumer says it takes nothing from this rank", when=_unread),
            Illegal(remote, "notification after the lease expired: that read may have seen reused blocks")),
         on(S.DISCARDED, NotificationReceived, Illegal(remote, "notification for a discarded request")),
         on((S.RELEASED, S.DISCARDED), Heartbeat, Ignore("already released")),

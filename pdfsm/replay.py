@@ -185,7 +185,7 @@ _DETAIL: dict[str, tuple[str, ...]] = {
     "ReadRequested": ("remote_request_id", "engine_id", "remote_tp"),
     "HandleDone": ("pp_rank", "tp_rank"),
     "HandleFailed": ("pp_rank", "tp_rank", "why", "detail"),
-    "NotificationReceived": ("part", "of", "sender", "consumer"),
+    "NotificationReceived": ("part", "of", "sender", "consumer", "unread"),
     "Heartbeat": ("extend_ns", "sender"),
     "EngineReady": ("engine_id", "pp_rank"),
     "EngineFailed": ("engine_id", "pp_rank", "error"),
@@ -208,7 +208,7 @@ def event_detail(ev: Any) -> str:
     out = []
     for name in _DETAIL.get(type(ev).__name__, ()):
         value = getattr(ev, name, None)
-        if value is None or value == "":
+        if value is None or value == "" or value is False:  # a flag shows only when set
             continue
         out.append(f"{name}={getattr(value, 'value', value)}")
     return printable(" ".join(out))

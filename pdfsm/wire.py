@@ -62,6 +62,11 @@ class Notification(msgspec.Struct, frozen=True, gc=False, tag="n", array_like=Tr
     # The consumer engine that read (its engine id; "": not said, older consumers): the producer
     # counts each engine's parts apart, so params handed to two decode engines cannot mix them.
     consumer: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
+    # True: a release, not a read's end: the consumer takes nothing from this rank (the request
+    # stopped before a read of it completed, or MLA read another rank; a read it saw fail may still
+    # have moved bytes, and that read's own notice, if one went, says so). After the lease it tells
+    # the producer that nothing was misread (False: a read, or an older consumer that does not say).
+    unread: bool = False
 
 
 class HeartbeatMessage(msgspec.Struct, frozen=True, gc=False, tag="h", array_like=True):
@@ -124,6 +129,6 @@ def notification_event(raw: bytes, *, sender: str, source: str, t_ns: int) -> Ev
     if isinstance(msg, Notification):
         return NotificationReceived(source=source, t_ns=t_ns, request_id=msg.request_id, part=msg.part,
                                     of=msg.of, sender=sender, issued_wall_ns=msg.issued_wall_ns,
-                                    consumer=msg.consumer)
+                                    consumer=msg.consumer, unread=msg.unread)
     return Heartbeat(source=source, t_ns=t_ns, request_id=msg.request_id, extend_ns=msg.extend_ns,
                      sender=sender, issued_wall_ns=msg.issued_wall_ns)

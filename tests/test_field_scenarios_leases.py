@@ -13,11 +13,23 @@ from __future__ import annotations
 import pytest
 from helpers import LeaseWorld, S, reply
 
-from pdfsm.commands import HandOff
+from pdfsm.commands import HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
+from pdfsm.core import Core
 from pdfsm.errors import InvalidInput
-from pdfsm.events import PRODUCER, CoreConfig
+from pdfsm.events import (
+    PRODUCER,
+    CoreConfig,
+    HandleFailed,
+    HandleFailure,
+    HandshakeDone,
+    HandshakeReply,
+    PeerAdded,
+    RankInfo,
+    ReadRequested,
+)
 from pdfsm.fsm import Fault
+from pdfsm.wire import Notification, notify_codec
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
 
 BLOCK = 64  # bytes per simulated block
@@ -183,6 +195,95 @@ def test_vllm_pr_41269_late_rejection_notice_after_the_lease_is_not_a_false_corr
     assert len(w.cons.sent) == sent_before, "a notice for an expired lease was sent"
     alarms = [r for r in w.p.core.log.records() if r.reason and "reused blocks" in r.reason]
     assert alarms == []
+
+
+def test_uccl_issue_1015_lost_heartbeat_then_a_late_release_notice_is_not_a_corruption_alarm() -> None:
+    """https://github.com/uccl-project/uccl/issues/1015 -- notifications (vLLM's lease heartbeats
+    among them) were dropped on the wire with only a sender-side log line. The decode side asked
+    the producer to hold for 10 leases; the heartbeat never arrived and the producer expired the
+    hold at its own lease. The request, refused past its lease, then told the producer (it owed
+    the notice its heartbeat promised), which recorded "that read may have seen reused blocks", an
+    error-level corruption alarm for a request that read nothing (the known limit until the notice
+    said so, found by review). Expected: the notice says it is a release of unread blocks
+    (``Notification.unread``); the producer records it as ignored; the only violation is the expiry."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    params = w.p.request_finished("p1", [1, 2])
+    w.net.fault_notification("p1", "drop")
+    assert w.d.heartbeat(params, extend_ns=40 * S) == 1  # sent, never delivered
+    w.run(1, dt=5 * S)
+    assert w.expired == ["p1"]
+    sent = len(w.cons.sent)
+    w.d.load("d1", [5, 6], params)
+    w.run(3)
+    assert "lease" in w.failed["d1"].reason and "d1" not in w.received
+    assert len(w.cons.sent) > sent, "the notice the heartbeat promised was sent"
+    records = w.p.core.log.records()
+    assert [r for r in records if r.reason and "reused blocks" in r.reason] == []
+    late = [r for r in records if r.reason and "takes nothing" in r.reason]
+    assert len(late) == 1 and late[0].outcome.name == "IGNORED" and late[0].fault is None
+    assert w.p.core.violations[Fault.REMOTE] == 1  # the expiry
+
+
+def test_a_late_notice_of_a_read_is_still_a_corruption_alarm() -> None:
+    """The other side of the flag: a notice that a read ended (``unread`` False, as an older
+    consumer sends every notice) reaching a producer after its lease is still a remote violation."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    w.p.request_finished("p1", [1, 2])
+    w.run(1, dt=5 * S)
+    assert w.expired == ["p1"]
+    w.net.deliver("D-0", "P-0", notify_codec.encode(Notification("p1", 0, 1)), "p1")
+    w.run(1)
+    alarms = [r for r in w.p.core.log.records() if r.reason and "reused blocks" in r.reason]
+    assert len(alarms) == 1 and alarms[0].fault == Fault.REMOTE
+
+
+def test_a_late_release_of_a_hold_the_producer_forgot_says_it_may_be_one() -> None:
+    """The same lost heartbeat, the request stopping later than the producer remembers expired
+    holds (``tombstone_ns``): the notice finds no hold, is staged as an early notice would be, and
+    at its staging time is discarded. The producer cannot tell a late release of a forgotten hold
+    from a release under a wrong id (vLLM PR 36958), so it is still a remote violation, but its
+    reason no longer says "never registered" as a fact (found by review); a staged notice of a read
+    keeps that reason (tests/test_bug_corpus.py)."""
+    w = LeaseWorld(p_lease_ns=4 * S, p_config={"tombstone_ns": 10 * S})
+    w.connect()
+    params = w.p.request_finished("p1", [1, 2])
+    w.net.fault_notification("p1", "drop")
+    assert w.d.heartbeat(params, extend_ns=400 * S) == 1  # sent, never delivered
+    w.run(1, dt=5 * S)
+    assert w.expired == ["p1"]
+    w.run(1, dt=60 * S)
+    w.d.load("x", [9], w.p.request_finished("x", [9]))  # a later hold ends: the expired one is forgotten
+    w.run(3)
+    assert "p1" not in w.p.core._remembered[PRODUCER]
+    w.d.load("d1", [5, 6], params)
+    w.run(3)
+    assert "lease" in w.failed["d1"].reason
+    assert w.p.core.producers["p1"].state.name == "STAGED"
+    w.run(2, dt=5 * S)  # past the staging time
+    assert "p1" not in w.p.core.producers
+    (why,) = [r.reason for r in w.p.core.log.records() if r.fault and r.state == "DISCARDED"]
+    assert "forgotten" in why and "nothing was read" in why
+
+
+def test_a_read_carries_a_notice_of_a_read_and_a_stopped_request_a_release() -> None:
+    """What the consumer puts on the wire: the notice a read carries says it is a read's end
+    (``unread`` False: late, it is a corruption alarm at the producer); the notice of a request
+    that stopped before its read completed says it is a release."""
+    d = Core(CoreConfig(engine_id="D", compat_hash="h"))
+    d.apply(ReadRequested(source="s", t_ns=0, request_id="d1", remote_request_id="p1", engine_id="P",
+                          local_blocks=(1,), remote_blocks=(1,)))
+    rank = RankInfo(pp_rank=0, tp_rank=0, agent="a")
+    d.apply(HandshakeDone(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1,
+                          reply=HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(rank,))))
+    d.apply(PeerAdded(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1))
+    posts = [c for c in d.take_commands() if isinstance(c, PostRead)]
+    assert len(posts) == 1 and posts[0].notification.unread is False
+    d.apply(HandleFailed(source="transfer", t_ns=2, request_id="d1", pp_rank=0, tp_rank=0,
+                         why=HandleFailure.ERR))
+    notes = [c for c in d.take_commands() if isinstance(c, SendNotification)]
+    assert len(notes) == 1 and notes[0].notification.unread is True
 
 
 # --- input the producer or the router gets wrong -------------------------------------------------------

@@ -613,3 +613,32 @@ def test_blocks_at_the_edge_of_adjacent_registrations(xfer_mode: Literal["preppe
     finally:
         d.close()
         p.close()
+
+
+def test_connector_shutdown_with_a_read_in_flight_tells_the_producer(producers: list[Producer]) -> None:
+    """A decode worker shuts down while its READ is in flight (the producer stopped: under the
+    default cancel policy a cancel does not end it). The read ended only inside the transport's
+    close(), so the aborted request's release notice came after it, when nothing could be sent:
+    the producer kept the blocks a whole lease (120 s here) and then blamed the consumer (found by
+    a helper's hunt). Now shutdown ends the reads first (``stop_reads``) and the notice goes out."""
+    p = Producer(name("p"), sidechannel=True)
+    producers.append(p)
+    d = ConnRank()
+    closed = False
+    try:
+        d.conn.load("w", [0, 1], p.hold("rw", [4, 5]))
+        run_until([d], lambda: "w" in d.recving)
+        params = p.hold("r1", [6, 7])
+        sigstop(p)
+        d.conn.load("d1", [2, 3], params)
+        d.conn.get_finished()
+        assert d.transport.reads, "the read is in flight"
+        last = d.conn.shutdown()
+        closed = True
+        assert "d1" in last.aborted and {2, 3} <= set(last.invalid_block_ids)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+        if not closed:
+            d.conn.shutdown()
+    note = p.wait_for(f"NOTE {d.transport.agent_name} r1 ").split()
+    assert note[3:5] == ["0", "1"], note

@@ -55,8 +55,8 @@ def deep_notification() -> bytes:
     """A valid Notification (array-like: trailing elements are skipped) plus one trailing element
     nested as deep as the size cap allows."""
     base = notify_codec.encode(Notification("p1", 0, 1))
-    assert base[0] == 0x96  # fixarray of 6: tag, request id, part, of, issued_wall_ns, consumer
-    raw = bytes([0x97]) + base[1:]
+    assert base[0] == 0x97  # fixarray of 7: tag, request id, part, of, issued_wall_ns, consumer, unread
+    raw = bytes([0x98]) + base[1:]
     raw += b"\x91" * (MAX_NOTIFY_BYTES - len(raw) - 1) + b"\xc0"
     assert len(raw) == MAX_NOTIFY_BYTES
     return raw

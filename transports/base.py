@@ -101,6 +101,12 @@ class Transport(Protocol):
     def progress(self) -> None:
         """Owner thread, every step: poll what must be polled and submit what it found."""
 
+    def stop_reads(self) -> None:
+        """End every read still in flight for good, each reported as it ends (``HandleDone`` if it
+        had completed, else ``HandleFailed(CANCELLED)`` once no byte can still land); sends still
+        work. A Connector's shutdown calls it before :meth:`close`, so the requests it stops tell
+        their producers to release (after ``close`` nothing can be sent)."""
+
     def close(self) -> None:
         """Release everything; reads still in flight end as failed."""
 

@@ -761,15 +761,25 @@ class NixlTransport:
 
     # --- shutdown -------------------------------------------------------------------------------
 
+    def stop_reads(self) -> None:
+        """Poll once (a read found complete is reported done), then release what is still in
+        flight and report it CANCELLED, whatever ``cancel_policy`` says: the agent is about to go,
+        and its destruction would tear the transfers down anyway."""
+        self.progress()
+        self._stop_all("stopped: the transport is shutting down")
+
+    def _stop_all(self, detail: str) -> None:
+        for read in list(self.reads.values()):
+            self._release_read(read)
+            self._end(read, HandleFailure.CANCELLED, detail)
+
     def close(self) -> None:
         """Cancel what is in flight (NIXL's release), report it CANCELLED, forget every peer,
         deregister the memory. Idempotent."""
         if self._closed:
             return
         self._check()
-        for read in list(self.reads.values()):
-            self._release_read(read)
-            self._end(read, HandleFailure.CANCELLED, "transport closed")
+        self._stop_all("transport closed")
         for key in list(self.peers):
             self.drop_peer(key)
         for peer in self._draining:

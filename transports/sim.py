@@ -168,6 +168,7 @@ class SimTransport:
         self.reads: dict[tuple[str, int, int], _Read] = {}
         self.inbox: deque[list[object]] = deque()  # [delay, sender, raw]
         self.sent: list[tuple[str, NotifyMessage]] = []
+        self.closed = False
         self._disconnected: set[EngineKey] = set()  # engines already reported gone, until re-added
         self._attempts: dict[EngineKey, int] = {}  # the handshake attempt of each peer's connection
         self._submit: Submit | None = None
@@ -245,6 +246,8 @@ class SimTransport:
             read.cancelled = True
 
     def send(self, key: EngineKey, tp_rank: int, message: NotifyMessage) -> None:
+        if self.closed:
+            raise TransportError(f"{self.agent}: closed")
         remote = self.peers.get(key, {}).get(tp_rank)
         if remote is None:
             raise TransportError(f"no peer for ({key[0]}, pp {key[1]}, tp {tp_rank})")
@@ -310,11 +313,15 @@ class SimTransport:
         self.network.deliver(self.agent, read.remote, notify_codec.encode(note), note.request_id)
         self.sent.append((read.remote, note))
 
-    def close(self) -> None:
+    def stop_reads(self) -> None:
         for rid, pp, tp in list(self.reads):
             self.cancel_read(rid, pp, tp)
         self.progress()
-        self.network.kill(self.agent)  # as a NIXL agent destroyed: peers' reads and sends to it fail
+
+    def close(self) -> None:
+        self.stop_reads()
+        self.closed = True  # as a NIXL agent destroyed: nothing more goes out
+        self.network.kill(self.agent)  # and peers' reads and sends to it fail
 
 
 class SimHandshaker:

@@ -154,12 +154,13 @@ _Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
 
 
 class _Read:
-    __slots__ = ("cancel", "cmd", "gone", "plan", "remote")
+    __slots__ = ("cancel", "cmd", "ended", "gone", "plan", "remote")
 
     def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan, *, gone: bool) -> None:
         self.cmd, self.remote, self.plan = cmd, remote, plan
         self.gone = gone  # the peer was gone when posted: nothing planned, it ends DISCONNECTED
         self.cancel = threading.Event()
+        self.ended = threading.Event()  # its worker has reported it
 
 
 class TorchTransport:
@@ -356,10 +357,13 @@ class TorchTransport:
             self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
         common = {"source": Source.TRANSFER, "t_ns": self._clock(), "request_id": read.cmd.request_id,
                   "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
-        if why is None:
-            self._emit(HandleDone(**common))  # type: ignore[arg-type]
-        else:
-            self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
+        try:
+            if why is None:
+                self._emit(HandleDone(**common))  # type: ignore[arg-type]
+            else:
+                self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
+        finally:
+            read.ended.set()
         if why is HandleFailure.DISCONNECTED:
             self._lost(engine, read.remote, detail, tp_rank=src.tp_rank)
 
@@ -428,6 +432,17 @@ class TorchTransport:
             sender, raw = self.inbox.popleft()
             self._emit(notification_event(raw, sender=sender, source=Source.NOTIFY, t_ns=now))
 
+    def stop_reads(self) -> None:
+        """Cancel every read and wait until its worker has reported it (a copy stops between
+        chunks). On the owner thread with a blocking inbox, call it inside ``log.owner_waiting()``,
+        as :meth:`close`."""
+        with self._reads_lock:
+            reads = list(self.reads.values())
+        for read in reads:
+            read.cancel.set()
+        for read in reads:
+            read.ended.wait()
+
     def close(self) -> None:
         """Cancel every read and wait for the workers, which report them; leave the network.
 
@@ -437,9 +452,6 @@ class TorchTransport:
         if self._closed:
             return
         self._closed = True
-        with self._reads_lock:
-            reads = list(self.reads.values())
-        for read in reads:
-            read.cancel.set()
+        self.stop_reads()
         self._pool.shutdown(wait=True)
         self.network.leave(self.agent_name)
