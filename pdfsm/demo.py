@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     free_p, free_d = list(range(args.blocks)), list(range(args.blocks))
     reading: dict[str, tuple[KVTransferParams, list[int], set[int]]] = {}  # ranks yet to report
     sending: dict[str, tuple[list[int], set[int]]] = {}
-    started = done = failed = bad_bytes = step = 0
+    started = done = failed = bad_bytes = step = moved_at = 0
+    moved = (0, 0)  # (requests done, holds outstanding): a change is progress
     failed_requests: dict[str, str] = {}  # request id -> why its read failed
     while done < args.requests or sending:
         step += 1
@@ -214,8 +215,10 @@ def run(args: argparse.Namespace) -> int:
                 if not ranks:
                     del sending[rid]
                     free_p.extend(p_blocks)
-        if step > 10_000:
-            print("demo: no progress after 10000 steps")
+        if (done, len(sending)) != moved:
+            moved, moved_at = (done, len(sending)), step
+        elif step - moved_at > 10_000:  # not a cap on the run's length: --requests may be any number
+            print(f"demo: no progress in 10000 steps (step {step}, {done} of {args.requests} requests done)")
             return 1
     print(f"demo: {done - len(failed_requests)} of {done} requests moved from prefill (TP {prefill.tp}) to decode "
           f"(TP {decode.tp}){' with MLA' if args.mla else ''} over the simulated transport in {step} steps, "

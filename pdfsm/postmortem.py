@@ -129,6 +129,7 @@ class LoadedLog:
     meta: dict[str, Any] = field(default_factory=dict)
     replayed: bool = False
     replay_note: str = ""  # why the records were not all replayed (a trimmed log, a gap)
+    later: str | None = None  # a segment named alone: the next segment of its log, which it stops short of
 
     @property
     def exit_code(self) -> Exit:
@@ -353,6 +354,7 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
     later = _later_segment(path)
     if later is not None:  # one segment of a longer log: its end is no tail, damage there no tear
         repair = False
+        out.later = later.name
     bar = progress or _NoProgress()
     sizes = {f: f.stat().st_size for f in files}
     before = {f: sum(sizes[g] for g in files[:i]) for i, f in enumerate(files)}
@@ -393,6 +395,9 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         if reader.repairs:
             rep = reader.repairs[-1]
             out.torn.update(repaired=True, backup=rep.backup, removed_bytes=rep.removed_bytes)
+    if later is not None and out.status == "ok":  # named alone, it reads as a whole log that ends early
+        out.replay_note = (f"one segment of a longer log: {later.name} follows it, so this is not the log's end "
+                           f"state; name the directory ({path.parent}) for the whole log")
     return out
 
 
@@ -440,8 +445,9 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
     if log.gaps:  # the core applied records the file never got: replay can check only up to them
         cut = log.gaps[0].first_seq
         records = [r for r in records if r.seq < cut]
-        log.replay_note = (f"replayed up to seq {cut - 1}: record {cut} is missing from the file (a gap: "
-                           f"{log.gaps[0].reason}); summarized from every record read")
+        note = (f"replayed up to seq {cut - 1}: record {cut} is missing from the file (a gap: "
+                f"{log.gaps[0].reason}); summarized from every record read")
+        log.replay_note = f"{log.replay_note}; {note}" if log.replay_note else note
     bar = progress or _NoProgress()
     bar.start(f"replaying {log.name}", len(records))
     at = [0]
@@ -462,6 +468,7 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
             blamed = sum(r.violation for r in unrecorded)
             # With a gap, replay stops where the gap starts, and the log goes on after it.
             end = (f"replay stops at seq {records[-1].seq}, before the gap," if log.gaps
+                   else f"this segment ends at seq {records[-1].seq}" if log.later
                    else f"the log ends at seq {records[-1].seq}")
             note = (f"{end} part-way through what its last event caused: replay "
                     f"recomputed {len(unrecorded)} record(s) the file does not have ({kinds}"

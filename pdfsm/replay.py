@@ -438,7 +438,7 @@ def visits(records: Iterable[Record], *, at: int | None = None) -> list[Visit]:
             continue
         i = current.get(key)
         if i is not None:
-            if out[i].state == rec.state:
+            if out[i].state == rec.state and rec.before == rec.state:  # a self-loop, or news ignored there
                 continue
             v = out[i]
             out[i] = Visit(v.machine, v.key, v.state, v.start_seq, v.start_t_ns, v.entered_by,
@@ -503,7 +503,9 @@ def _lives(logs: Sequence[tuple[str, Sequence[Record]]]) -> list[_Life]:
                 if rec.outcome is not Outcome.APPLIED:  # refused or ignored: this read alone
                     lives.append(_Life(name, rid, {hold}, [rec]))
                     continue
-                if life is None or rec.before == consumer.S.NEW.name:
+                # A read starts a new life of its id, unless the id's records so far read nothing
+                # (an abort that came before the read): they are this life's first.
+                if life is None or (rec.before == consumer.S.NEW.name and life.holds):
                     life = current[(name, rid)] = _Life(name, rid)
                     lives.append(life)
                 life.holds.add(hold)

@@ -11,12 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import collect, ev, handshake, make_core, read, replay_json_schema, run_cli_captured
+from helpers import collect, connected, ev, handshake, make_core, read, replay_json_schema, run_cli_captured
 
-from pdfsm.events import BlocksHeld, HandleDone, HandleFailed, HandleFailure, NotificationReceived, Tick
+from pdfsm.events import (
+    AbortRequested,
+    BlocksHeld,
+    HandleDone,
+    HandleFailed,
+    HandleFailure,
+    NotificationReceived,
+    Tick,
+)
 from pdfsm.filelog import segment_name, segment_paths, write_segment
 from pdfsm.log import MemorySink, Outcome, Record
 from pdfsm.postmortem import LoadedLog, print_replay, verify
+from pdfsm.replay import visits
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -428,3 +437,68 @@ def test_trace_and_report_of_logs_with_failures_are_valid_and_escaped(tmp_path: 
     assert "&lt;script&gt;" in page and "ü🙂" in page
     violations = int(re.search(r"<h2>Violations \((\d+)\)</h2>", page).group(1))  # type: ignore[union-attr]
     assert violations >= 3
+
+
+# --- fidelity (a helper's hunt, comparing the tools with the live cores) ---------------------------------------
+
+
+def test_the_first_segment_named_alone_says_it_is_not_the_whole_log(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``pdfsm replay DIR/000...0.pdlog`` of a rotated log printed its states as the log's end state
+    ("replayed ... no divergence") and, where the segment ended part-way through what an event
+    caused, "the log ends at seq N": the next segment holds the rest. The replay note must say that
+    it is one segment of a longer log, which follows, and name the directory."""
+    segs = _rotated(tmp_path / "prefill-tp0")
+    code, out, err = _run(capsys, "replay", str(segs[0]), "--json")
+    assert code == 0, err
+    note = _json(out)["logs"][0]["replay_note"]
+    assert note and "one segment of a longer log" in note and segs[1].name in note, note
+    code, out, _ = _run(capsys, "replay", str(tmp_path / "prefill-tp0"), "--json")
+    assert code == 0 and _json(out)["logs"][0]["replay_note"] is None  # the whole log: nothing to say
+
+
+def test_a_reused_id_that_ends_in_the_same_state_twice_is_two_visits() -> None:
+    """A notify-only request r1 goes NEW -> RELEASED; its tombstone is pushed out; r1 is reused
+    and goes NEW -> RELEASED again. visits() merged the second life into the first (same state),
+    so ``pdfsm trace`` drew one slice and ``--at`` said ``since_seq`` of the first life
+    (docs/postmortem.md: a visit runs from the record that entered a state)."""
+    sink = MemorySink()
+    core = make_core(strict=False, sink=sink, engine_id="D", tombstones=1)
+    connected(core)
+    core.apply(read("r1", blocks=(), remote_blocks=(), t=100))
+    collect(core, 110)
+    core.apply(read("r2", blocks=(), remote_blocks=(), t=200))
+    collect(core, 210)  # pushes r1's tombstone out
+    core.apply(read("r1", blocks=(), remote_blocks=(), t=300))
+    collect(core, 310)
+    core.log.flush()
+    lives = [v for v in visits(sink.records) if v.key == "r1" and v.state == "RELEASED"]
+    assert len(lives) == 2 and lives[0].start_seq < lives[1].start_seq, lives
+
+
+def test_request_by_producer_id_keeps_the_decode_records_before_its_read(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A router's abort reaches the decode worker before the read (ignored: no such request), then
+    the read goes ahead. ``--request d-1`` showed the abort; ``--request p-1`` (the producer id)
+    dropped it, though docs/postmortem.md says either id prints the same timeline."""
+    p_sink, d_sink = MemorySink(), MemorySink()
+    p = make_core(strict=False, sink=p_sink, engine_id="P")
+    d = make_core(strict=False, sink=d_sink, engine_id="D")
+    p.apply(ev(BlocksHeld, 10, source="scheduler", request_id="p-1", block_ids=(1, 2)))
+    d.apply(ev(AbortRequested, 20, request_id="d-1"))
+    d.apply(read("d-1", remote="p-1", t=30))
+    handshake(d, "P", t=40)
+    d.apply(ev(HandleDone, 50, request_id="d-1", pp_rank=0, tp_rank=0))
+    collect(d, 60)
+    p.apply(ev(NotificationReceived, 70, source="notify", request_id="p-1", part=0, of=1))
+    p.log.flush()
+    d.log.flush()
+    _write(tmp_path / "prefill-tp0", p_sink.records)
+    _write(tmp_path / "decode-tp0", d_sink.records)
+    entries = {}
+    for q in ("d-1", "p-1"):
+        code, out, err = _run(capsys, "replay", str(tmp_path), "--request", q, "--json")
+        assert code == 0, err
+        entries[q] = [(e["log"], e["seq"]) for e in _json(out)["request"]["entries"]]
+    assert entries["p-1"] == entries["d-1"], entries
+    assert any(e[0] == "decode-tp0" for e in entries["p-1"][:2])  # the abort, first on the decode side
