@@ -60,6 +60,7 @@ from pdfsm.events import (
     HandshakeFailed,
     PeerAdded,
     Policy,
+    Promised,
     ReadRequested,
     SendFailed,
     Source,
@@ -610,6 +611,7 @@ class Connector:
         ranks were told. It keeps the producer's blocks from being reused under a read already
         running; what this side trusts still ends with the lease the params gave (a heartbeat
         lost on the way would otherwise extend a lease the producer ended, UCCL issue 1015).
+        Params whose load has ended are not heartbeated (0): the producer was told, or released.
         """
         self._open()
         p = KVTransferParams.parse(params)
@@ -617,6 +619,11 @@ class Connector:
         _check_id("remote_engine_id", p.remote_engine_id)
         _check_int("extend_ns", extend_ns, low=1, high=MAX_EXTEND_NS)  # the wire's bound: more is refused there
         plan = self._check_layout(p)
+        minting = _minting(p)
+        loaded = self._loaded.get(minting)
+        reader = loaded[0] if loaded is not None else self._live_load(minting)
+        if reader is not None and not self._reads(reader, minting):
+            return 0
         if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:  # as a load would be refused
             return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns, p.issued_wall_ns)
@@ -631,7 +638,11 @@ class Connector:
                 except Exception as exc:  # noqa: BLE001 - any transport failure is reported, not raised
                     self._send_failed(p.remote_engine_id, pp, tp, p.remote_request_id, exc)
         if told == len(ranks):  # the promise counts for every rank: one this heartbeat missed may release
-            self._promise(_minting(p), sent_at + extend_ns)
+            if reader is None:
+                self._promise(minting, sent_at + extend_ns)
+            else:  # loaded: the request carries it from here (found by a helper's hunt)
+                self.core.submit(Promised(source=Source.SCHEDULER, t_ns=sent_at, request_id=reader,
+                                          promised_ns=sent_at + extend_ns))
         return told
 
     def _promise(self, minting: _Minting, until: int) -> None:
@@ -728,6 +739,14 @@ class Connector:
 
     def _live(self, rid: str) -> bool:
         return rid in self.core.consumers or rid in self._queued[CONSUMER]
+
+    def _reads(self, rid: str, minting: _Minting) -> bool:
+        """``rid`` is live and still the load of these params (not a later one under its id)."""
+        m = self.core.consumers.get(rid)
+        req = m.req if m is not None else None
+        if req is not None:
+            return (req.engine_id, req.remote_request_id, req.issued_wall_ns) == minting[:3]
+        return self._live(rid)
 
     def _live_load(self, minting: _Minting) -> str | None:
         """The live load of these params that the remembered count already pushed out, if any."""

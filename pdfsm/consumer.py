@@ -41,6 +41,7 @@ from pdfsm.events import (
     EvictRequested,
     HandleDone,
     HandleFailed,
+    Promised,
     Quarantined,
     RankInfo,
     ReadRequested,
@@ -81,7 +82,7 @@ class ConsumerRequest:
     rest is what changes, and only the owner thread, through the table, changes it."""
 
     __slots__ = ("attempts", "deadline", "done", "engines", "error", "held_at", "outcome", "pending", "plan",
-                 "remote_fault", "req", "request_id", "state", "trust", "waited", "waiting")
+                 "promised", "remote_fault", "req", "request_id", "state", "trust", "waited", "waiting")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -98,6 +99,7 @@ class ConsumerRequest:
         # None: not armed / not known yet (a clock may read 0 or less: no value of it means "none")
         self.deadline: int | None = None
         self.trust: int | None = None  # reads completing at or after it are not trusted
+        self.promised = 0  # until when a heartbeat sent after the load asked the producer to hold (0: none)
         self.error = ""  # the first failure, in words
         self.remote_fault = False
         self.outcome = ""
@@ -131,12 +133,14 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     return min(timeout, trust), trust
 
 
-def notify_until(req: ReadRequested, trust: int, core: Core) -> int:
+def notify_until(req: ReadRequested, trust: int, core: Core, promised: int = 0) -> int:
     """Until when a notification can still find the producer holding the blocks: the trust bound
-    (:func:`times_of`), or the end this worker's heartbeats asked for less the margin if later. A
-    request that stops after its trust bound but within that still tells the producer, which
-    would otherwise keep the blocks for the whole extension, then blame this side."""
-    return max(trust, req.promised_ns - core.config.lease_margin_ns) if req.promised_ns else trust
+    (:func:`times_of`), or the end this worker's heartbeats asked for (before the load, or after
+    it: ``promised``, :class:`~pdfsm.events.Promised`) less the margin if later. A request that
+    stops after its trust bound but within that still tells the producer, which would otherwise
+    keep the blocks for the whole extension, then blame this side."""
+    promised = max(req.promised_ns, promised)
+    return max(trust, promised - core.config.lease_margin_ns) if promised else trust
 
 
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -277,7 +281,8 @@ def _lease_over_notify_only(m: ConsumerRequest, ev: ReadRequested, core: Core) -
 def _lease_ended(m: ConsumerRequest, t_ns: int, core: Core) -> bool:
     """Past :func:`notify_until`: the producer may have released, so it is told nothing more."""
     req = m.req
-    return req is not None and req.lease_ns > 0 and m.trust is not None and t_ns >= notify_until(req, m.trust, core)
+    return (req is not None and req.lease_ns > 0 and m.trust is not None
+            and t_ns >= notify_until(req, m.trust, core, m.promised))
 
 
 def _lease_over_notify_only_when_ready(m: ConsumerRequest, ev: EngineReady, core: Core) -> bool:
@@ -431,6 +436,10 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     m.engines = m.held_at = ()
 
 
+def _promise(m: ConsumerRequest, ev: Promised, core: Core) -> None:
+    m.promised = max(m.promised, ev.promised_ns)
+
+
 def _stop_waiting(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     """Leave every engine's waiting list, let go of those already ready, disarm the deadline."""
     if m.waiting:
@@ -544,7 +553,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
             continue
         e = core.engines.get((eid, pp))
         handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
-        trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core)
+        trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core, m.promised)
         if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269).
@@ -963,7 +972,7 @@ TABLE: Final[Table] = Table(
     "consumer",
     states=(S.NEW, *LIVE, S.RELEASED),
     initial=S.NEW,
-    events=(ReadRequested, EngineReady, EngineFailed, HandleDone, HandleFailed, AbortRequested,
+    events=(ReadRequested, EngineReady, EngineFailed, HandleDone, HandleFailed, AbortRequested, Promised,
             DeadlinePassed, Reported, Quarantined),
     cells=(
         # NEW: the request does not exist yet (or its record was forgotten).
@@ -995,6 +1004,11 @@ TABLE: Final[Table] = Table(
         on(S.NEW, (EngineReady, EngineFailed, HandleDone, HandleFailed, DeadlinePassed, Reported, Quarantined),
            Illegal(local, "no such request")),
         on(S.NEW, AbortRequested, Ignore("no such request: nothing to abort")),
+        # A heartbeat after the load: until when its notices are owed (the Connector sends it only
+        # for a live load; a promise made before the load comes in ReadRequested).
+        on(S.NEW, Promised, Ignore("no such request: a load carries the promises made before it")),
+        *(on(st, Promised, Go(st, _promise)) for st in (S.HANDSHAKING, S.READING, *STOPPING)),
+        on((*AFTER_READS, S.RELEASED), Promised, Ignore("every read has stopped: its notices were settled then")),
         # A request id is never requested twice.
         on((*LIVE, S.RELEASED), ReadRequested, Illegal(local, "request id already in use")),
         # HANDSHAKING: waiting for remote engines.

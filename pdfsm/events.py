@@ -57,6 +57,7 @@ __all__ = [
     "PeerAdded",
     "PeerDisconnected",
     "Policy",
+    "Promised",
     "Quarantined",
     "RankInfo",
     "ReadRequested",
@@ -299,6 +300,15 @@ class AbortRequested(_ConsumerEvent, frozen=True):
     """The scheduler aborted the request."""
 
 
+class Promised(_ConsumerEvent, frozen=True):
+    """This worker's heartbeat asked the producer to hold the request's blocks until
+    ``promised_ns`` (this core's clock), after the request was loaded: a notice stays owed until
+    then less the margin, as for a promise made before the load (``ReadRequested.promised_ns``).
+    Never trusted for a read (a heartbeat may be lost)."""
+
+    promised_ns: int
+
+
 class DeadlinePassed(_ConsumerEvent, frozen=True):
     """Derived: the request's read deadline passed."""
 
@@ -482,6 +492,7 @@ EventType = (
     | HandleDone
     | HandleFailed
     | AbortRequested
+    | Promised
     | DeadlinePassed
     | Reported
     | Quarantined

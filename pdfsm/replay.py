@@ -187,6 +187,7 @@ _DETAIL: dict[str, tuple[str, ...]] = {
     "HandleFailed": ("pp_rank", "tp_rank", "why", "detail"),
     "NotificationReceived": ("part", "of", "sender", "consumer", "unread"),
     "Heartbeat": ("extend_ns", "sender"),
+    "Promised": ("promised_ns",),
     "EngineReady": ("engine_id", "pp_rank"),
     "EngineFailed": ("engine_id", "pp_rank", "error"),
     "HandshakeDone": ("attempt",),

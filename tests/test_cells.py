@@ -39,6 +39,7 @@ from pdfsm.events import (
     NotificationReceived,
     PeerAdded,
     PeerDisconnected,
+    Promised,
     Quarantined,
     ReadRequested,
     Reported,
@@ -154,6 +155,8 @@ def _event(etype: type, data: st.DataObject) -> Any:
         return ev(etype, t, **consumer_ids)
     if etype is Quarantined:
         return ev(etype, t, **consumer_ids, reason="test")
+    if etype is Promised:
+        return ev(etype, t, **consumer_ids, promised_ns=d(st.integers(0, 20_000)))
     if etype is BlocksHeld:
         return ev(etype, t, request_id=PID, block_ids=d(blocks))
     if etype is NotificationReceived:

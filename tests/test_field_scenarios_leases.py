@@ -130,6 +130,44 @@ def test_heartbeated_hold_is_told_when_the_decode_request_stops_past_its_lease(l
     assert w.p.core.violations[Fault.REMOTE] == 0
 
 
+def test_a_heartbeat_sent_while_the_read_runs_is_carried_to_the_request() -> None:
+    """A heartbeat sent while the read is already running (``heartbeat``: it "keeps the producer's
+    blocks from being reused under a read already running") was not carried to the request: the
+    request read the promise once, when it was loaded. Stopping past its trust bound (the read
+    hangs), it told the producer nothing, which kept the blocks for the whole 60 s extension and
+    then blamed the consumer (found by a helper's hunt). Now the Connector submits ``Promised`` to
+    the live request: it tells the producer, which releases at once."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    params = w.p.request_finished("p1", [1, 2])
+    w.net.script("d1", 0, 0, ReadScript(end="hang"))
+    w.d.load("d1", [5, 6], params)
+    w.run(1, dt=S // 10)
+    assert w.d.heartbeat(params, 60 * S) == 1
+    w.run(40, dt=S // 10)  # past the trust bound: the hung read is cancelled, the request fails
+    assert "d1" in w.failed and "d1" not in w.received
+    notes = [m for _, m in w.cons.sent if isinstance(m, Notification) and m.request_id == "p1"]
+    assert len(notes) == 1 and notes[0].unread
+    w.run(2, dt=S)
+    assert w.released == ["p1"] and not w.expired
+    assert w.p.core.violations[Fault.REMOTE] == 0
+
+
+def test_params_whose_load_ended_are_not_heartbeated() -> None:
+    """A heartbeat for params already loaded and finished asks the producer to hold blocks nobody
+    will read or release: the producer released them when told, or by itself at its lease, where a
+    heartbeat is a remote violation. It is not sent (0 ranks told)."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    params = w.p.request_finished("p1", [1, 2])
+    w.d.load("d1", [5, 6], params)
+    w.run(3)
+    assert w.received == ["d1"] and w.released == ["p1"]
+    sent = len(w.cons.sent)
+    assert w.d.heartbeat(params, 60 * S) == 0
+    assert len(w.cons.sent) == sent
+
+
 def test_heartbeat_promise_ends_and_a_later_stop_tells_nobody() -> None:
     """Past the end its heartbeats asked for (less the margin) the producer may have released: a
     request stopping then sends nothing, as before heartbeats were remembered."""
