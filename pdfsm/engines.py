@@ -401,6 +401,8 @@ class Engine:
         worst = self._outcomes.setdefault(rid, [])
         if outcome:
             worst.append((outcome, reason))
+        if rid in expired:  # any rank's lease expiry counts, not only the last rank's (found by a helper)
+            worst.append(("expired", ""))
         if pending:
             return
         del self.held[rid]
@@ -409,7 +411,7 @@ class Engine:
             w.tamper.planned.pop(rid, None)  # a fault planned for an event that never came
         outcomes = self._outcomes.pop(rid)
         if self.args.role == "prefill":
-            emit(Result(ev="released", rid=rid, expired=rid in expired, t_ns=time.monotonic_ns()))
+            emit(Result(ev="released", rid=rid, expired=("expired", "") in outcomes, t_ns=time.monotonic_ns()))
         else:
             final = next((o for o in outcomes if o[0] != "received"), ("received", ""))
             verified = final[0] == "received" and self._verify(blocks, seed)

@@ -321,3 +321,20 @@ def test_an_ordinary_engine_id_keeps_its_name() -> None:
     for eid in ("prefill", "decode", "prefill-1", "node_2.a"):
         assert engines.log_name(eid) == eid
     assert engines.log_name("a/b") != engines.log_name("a_b") != engines.log_name("a:b")
+
+
+def test_a_prefill_request_one_rank_released_by_lease_is_reported_expired(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill request over two ranks: rank 0's lease expired, rank 1 was released by its
+    notification afterwards. The engine's "released" result took ``expired`` from the last rank
+    only, so `pdfsm demo` and the soak counted the lease release as one by notification (found by
+    a helper). Any rank's expiry makes it expired."""
+    out: list[Result] = []
+    monkeypatch.setattr(engines, "emit", out.append)
+    e = object.__new__(engines.Engine)
+    e.args = type("Args", (), {"role": "prefill"})()
+    e.held = {"p-1": ([3, 4], 7, {0, 1})}
+    e._outcomes, e.params, e.free = {}, {}, []
+    e.workers = [type("W", (), {"tamper": type("T", (), {"planned": {}})()})() for _ in range(2)]
+    e._ranked("p-1", 0, frozenset({"p-1"}))
+    e._ranked("p-1", 1, frozenset())
+    assert [(r.ev, r.rid, r.expired) for r in out] == [("released", "p-1", True)]

@@ -72,6 +72,8 @@ def unreachable_reason(cell: Cell) -> str:
         return "local misuse only: the world's scheduler and adapters never do it (test_cells drives it)"
     if event in ("Quarantined", "EngineQuarantined"):
         return "follows a local violation only, and the world injects none (test_cells drives it)"
+    if machine == "consumer" and event == "Promised" and state == "NEW":
+        return "the Connector hands a heartbeat's promise to a live load only (a load carries an earlier one)"
     if state in ("EVICTED", "DISCARDED"):
         return "the machine is forgotten when it gets there; no cascade touches it after"
     if event in ("DeadlinePassed", "LeaseExpired") and (machine, state) in _DISARMED:

@@ -63,6 +63,7 @@ from pdfsm.events import (
     PeerAdded,
     PeerDisconnected,
     Policy,
+    Promised,
     RankInfo,
     ReadRequested,
     SendFailed,
@@ -79,7 +80,7 @@ from pdfsm.wire import Notification
 # Who stamps each event the world makes, as in production: a counterexample's trace then puts
 # each on its thread's track.
 _SOURCES: Final[dict[type, str]] = {
-    **dict.fromkeys((BlocksHeld, ReadRequested, Collect, AbortRequested, EvictRequested), Source.SCHEDULER),
+    **dict.fromkeys((BlocksHeld, ReadRequested, Collect, AbortRequested, EvictRequested, Promised), Source.SCHEDULER),
     **dict.fromkeys((HandshakeDone, HandshakeFailed, PeerAdded), Source.HANDSHAKE),
     **dict.fromkeys((HandleDone, HandleFailed, PeerDisconnected), Source.TRANSFER),
     **dict.fromkeys((NotificationReceived, SendFailed), Source.NOTIFY),
@@ -650,6 +651,10 @@ class World:
             self.lease_seen[i] = self.now
         for name in self._names[self.s.consumer_tp:]:
             self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS))
+        for rank in range(self.s.consumer_tp):  # every producer rank was told: a loaded request is promised
+            if (rank, self.crid(i)) in self.requested:  # as the Connector hands it to a live load
+                self.apply(f"D{rank}", self._ev(Promised, request_id=self.crid(i),
+                                                promised_ns=(self.now + self.s.lease_ns) * UNIT_NS))
 
     def _evict(self) -> None:
         self.faults_used.add("evict again" if "evict" in self.faults_used else "evict")
