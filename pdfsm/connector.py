@@ -628,16 +628,22 @@ class Connector:
             return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns, p.issued_wall_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
-        told = 0
+        told = tried = 0
         sent_at = self._clock()
         for pp, tp in ranks:
             if self.core.engine_connected((p.remote_engine_id, pp), p.remote_host, p.remote_port):
+                tried += 1
                 try:
                     self.transport.send((p.remote_engine_id, pp), tp, msg)
                     told += 1
                 except Exception as exc:  # noqa: BLE001 - any transport failure is reported, not raised
                     self._send_failed(p.remote_engine_id, pp, tp, p.remote_request_id, exc)
-        if told == len(ranks):  # the promise counts for every rank: one this heartbeat missed may release
+        # The promise counts once every rank was tried: one not connected (a PP stage still
+        # handshaking) was asked by nobody and may release at its own lease. A send that raised
+        # counts as tried, as a heartbeat lost on the way does: with decode TP above prefill TP a
+        # sibling worker's heartbeat may have extended that very rank, which then waits for this
+        # worker's part (found by a helper's hunt); a late notice there is a release it ignores.
+        if tried == len(ranks):
             if reader is None:
                 self._promise(minting, sent_at + extend_ns)
             else:  # loaded: the request carries it from here (found by a helper's hunt)

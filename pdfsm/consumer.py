@@ -548,7 +548,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
     for pp, tp in unread + list(plan.notify_only):
         cmd = SendNotification(engine_id=eid, pp_rank=pp, tp_rank=tp, notification=note)
-        if not connected_only or core.engine_connected((eid, pp)):
+        if core.engine_connected((eid, pp)):
             core.emit(cmd)
             continue
         e = core.engines.get((eid, pp))
@@ -556,8 +556,12 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
         trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core, m.promised)
         if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
-            # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269).
+            # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269); so would
+            # one whose stage lost a rank and is handshaken again for a newer request before this
+            # one's last read stopped (the old peer is dropped then: found by a helper's hunt).
             e.notices.append((req, trust, cmd))
+        elif not connected_only:
+            core.emit(cmd)  # a stage lost and not handshaken again: the transport says why it cannot go
 
 
 def _may_owe(req: ReadRequested) -> bool:

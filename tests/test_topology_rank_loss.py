@@ -3,10 +3,11 @@ over the simulated network (deterministic: every step is a call, the clock a cou
 
 from __future__ import annotations
 
-from helpers import RankedEngines
+from helpers import RankedEngines, ev, handshake, make_core, read
 
+from pdfsm.commands import DropPeer, SendNotification, StartHandshake
 from pdfsm.connector import KVTransferParams
-from pdfsm.events import SendFailed
+from pdfsm.events import HandleFailed, HandleFailure, PeerDisconnected, SendFailed
 from pdfsm.topology import Layout, read_plan
 from transports.sim import ReadScript
 
@@ -102,3 +103,64 @@ def test_mla_decode_tp1_prefill_tp4_read_rank_lost_the_skipped_live_ranks_are_st
     live = [(0, 1), (0, 2), (0, 3)]
     assert {k: w.released[k] for k in live} == {k: [("p1", False)] for k in live}, (
         "MLA's skipped prefill ranks, alive, were never told; they hold the blocks for their lease")
+
+
+def test_a_stage_handshaken_again_for_a_newer_request_is_told_once_it_connects() -> None:
+    """Decode TP 1 reads prefill TP 2. Prefill rank 1 is lost mid-read: the request d1 fails and
+    waits for its cancelled read of the live rank 0 (NIXL's default cancel rule lets it run on).
+    A newer request d2 for the same producer arrives meanwhile: its handshake of the stage pays the
+    lost connection's owed drop, so when d1's last read ended, its release notice to rank 0 went to
+    a transport with no peer ("no peer"), and rank 0 pinned the blocks until its lease (found by a
+    helper's hunt, with MLA and PP too). Now the notice is owed to the stage while it handshakes,
+    and sent once it connects (``send_owed``)."""
+    core = make_core(strict=False)
+    core.apply(read("d1", blocks=(10, 11), remote_blocks=(3, 4), remote_tp=2, lease_ns=LEASE, t=1))
+    handshake(core, "P", tp_size=2, t=2)
+    core.take_commands()
+    core.apply(ev(HandleFailed, 3, request_id="d1", pp_rank=0, tp_rank=1, why=HandleFailure.DISCONNECTED))
+    core.apply(ev(PeerDisconnected, 4, engine_id="P", pp_rank=0, attempt=1))
+    core.apply(read("d2", blocks=(12, 13), remote_blocks=(5, 6), remote_tp=2, lease_ns=LEASE, t=5))
+    cmds = core.take_commands()
+    assert any(isinstance(c, DropPeer) for c in cmds) and any(isinstance(c, StartHandshake) for c in cmds)
+    core.apply(ev(HandleFailed, 6, request_id="d1", pp_rank=0, tp_rank=0, why=HandleFailure.CANCELLED))
+    assert core.consumers["d1"].state.name == "FAILED"
+    notices = [c for c in core.take_commands() if isinstance(c, SendNotification)]
+    assert notices == [], "a notice to a stage whose old peer is dropped and whose new one is not there yet"
+    handshake(core, "P", tp_size=2, attempt=2, t=7)
+    notices = [c for c in core.take_commands() if isinstance(c, SendNotification)]
+    assert sorted((n.tp_rank, n.notification.request_id, n.notification.unread) for n in notices) == [
+        (0, "p-d1", True), (1, "p-d1", True)]  # every rank it did not read, rank 1 (handshaken again) too
+
+
+def test_a_heartbeat_one_decode_rank_failed_to_send_still_promises_its_part() -> None:
+    """Decode TP 2 reads prefill TP 1: prefill rank 0 waits for a part from each decode rank. The
+    scheduler heartbeats the queued request on every decode worker; rank 1's send raises once (a
+    transient transport error), rank 0's reaches the producer, which extends the hold. Loaded past
+    the params' lease, both ranks refuse the request; rank 1, holding no promise (one was kept only
+    when every send went out), told the producer nothing, and prefill rank 0 held the blocks for
+    the whole extension, then blamed the consumer (found by a helper's hunt). A send that raised
+    counts as tried, like a heartbeat lost on the way: rank 1 tells it too, and it releases now."""
+    w = World(p_tp=1, d_tp=2)
+    warm = w.hold("warm", [1])
+    for c in w.d.values():
+        c.load("warm", [20], warm)
+    w.run(6)
+    assert all(w.recv[k] == ["warm"] for k in w.d)
+    params = w.hold("p1", [3, 4])
+    flaky = w.dt[(0, 1)]
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("transient: endpoint busy")
+
+    real = flaky.send
+    flaky.send = refuse  # type: ignore[method-assign]
+    told = {k: c.heartbeat(params, extend_ns=6 * LEASE) for k, c in w.d.items()}
+    flaky.send = real  # type: ignore[method-assign]
+    assert told == {(0, 0): 1, (0, 1): 0}
+    w.run(1)
+    w.now += LEASE + LEASE // 2  # past the params' lease, well inside the extension
+    for c in w.d.values():
+        c.load("r", [10, 11], params)
+    w.run(4)
+    assert all("r" in w.failed[k] for k in w.d)  # refused: the lease the params gave is over
+    assert ("p1", False) in w.released[(0, 0)], "prefill rank 0 waits out the extension for decode rank 1's part"
