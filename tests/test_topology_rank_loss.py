@@ -153,7 +153,7 @@ def test_a_heartbeat_one_decode_rank_failed_to_send_still_promises_its_part() ->
         raise RuntimeError("transient: endpoint busy")
 
     real = flaky.send
-    flaky.send = refuse  # type: ignore[method-assign]
+    flaky.send = refuse  # type: ignore[method-assign,assignment]
     told = {k: c.heartbeat(params, extend_ns=6 * LEASE) for k, c in w.d.items()}
     flaky.send = real  # type: ignore[method-assign]
     assert told == {(0, 0): 1, (0, 1): 0}
