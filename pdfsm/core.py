@@ -549,19 +549,29 @@ class Core:
     def stage(self, m: producer.ProducerRequest) -> None:
         """Keep news of a request not registered yet, within ``max_staged``. Over the bound the
         oldest entry goes, one holding only notifications first: losing those costs the request
-        its lease's wait, while a heartbeat's promise lost would release blocks that a consumer
-        was told it may still read."""
+        its lease's wait, while a heartbeat's promise lost leaves the hold a plain lease, shorter
+        than its consumers were promised. Entries with a promise take at most half the bound (at
+        least one): a peer's heartbeats for ids never held here cannot shut notifications out."""
         (self._promised if m.extended_to is not None else self._staged)[m.request_id] = None
         self.leases.arm(m.request_id, m.deadline)
-        if len(self._staged) + len(self._promised) > self.config.max_staged:
-            oldest, _ = (self._staged or self._promised).popitem(last=False)
-            self.derive(StagedDropped(source=Source.CORE, t_ns=m.t_start, request_id=oldest,
-                                      reason=f"more than {self.config.max_staged} staged"))
+        self._bound_staging(m.t_start)
 
     def promise(self, m: producer.ProducerRequest) -> None:
         """A staged request now holds a heartbeat's promise: dropped only when nothing else can be."""
         if self._staged.pop(m.request_id, 0) is None:
             self._promised[m.request_id] = None
+            self._bound_staging(m.t_start)
+
+    def _bound_staging(self, t_ns: int) -> None:
+        bound = self.config.max_staged
+        if len(self._promised) > max(1, bound // 2):
+            oldest, _ = self._promised.popitem(last=False)
+        elif len(self._staged) + len(self._promised) > bound:
+            oldest, _ = (self._staged or self._promised).popitem(last=False)
+        else:
+            return
+        self.derive(StagedDropped(source=Source.CORE, t_ns=t_ns, request_id=oldest,
+                                  reason=f"more than {bound} staged"))
 
     def unstage(self, m: producer.ProducerRequest) -> None:
         self._staged.pop(m.request_id, None)

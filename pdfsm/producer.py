@@ -21,8 +21,8 @@ released the blocks while the second engine's rank 0 still read them.
 Notifications that arrive before the scheduler registers the request are
 staged, bounded in number and kept one lease (a notification can only follow
 the start of its lease, so a lease later the request cannot still be coming:
-vLLM PR 43509); so are heartbeats, whose
-promise the lease then keeps (the consumer counts on it). Heartbeats extend the
+vLLM PR 43509); so are heartbeats, one lease too (they follow their params'
+minting), whose promise the lease keeps once the hold is registered. Heartbeats extend the
 lease from the local time of their arrival: every deadline here is on this
 core's clock (vLLM PR 50326).
 """
@@ -294,7 +294,11 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     m.t_start = ev.t_ns
     m.extended_to = ev.t_ns + ev.extend_ns
     m.promised_for = ev.issued_wall_ns
-    m.deadline = max(ev.t_ns + core.config.lease_ns, m.extended_to)
+    # Staged one lease, as a notification: the hold it names follows its params' minting, so a
+    # lease later it is not coming. Staged until the promise's end (up to an hour), a peer's
+    # heartbeats for ids never held here filled staging and shut early notifications out (found
+    # by a helper's hunt); the promise is kept by the lease once the hold registers.
+    m.deadline = ev.t_ns + core.config.lease_ns
     core.stage(m)
 
 
@@ -305,14 +309,13 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     if _apart(m.promised_for, ev.issued_wall_ns, core):
         if ev.issued_wall_ns < m.promised_for:
             return
-        m.extended_to = None  # and the staging time the earlier hold's promise set goes with it
+        m.extended_to = None
         core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = max(ev.t_ns + core.config.lease_ns, promised)
+        m.deadline = ev.t_ns + core.config.lease_ns  # the later hold's staging time
         core.leases.arm(m.request_id, m.deadline)
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
     core.promise(m)
-    _keep_promise(m, core)
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:

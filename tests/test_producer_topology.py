@@ -62,6 +62,28 @@ def test_staged_heartbeat_promise_is_kept_when_staging_overflows() -> None:
     assert [f.expired for f in _finished(core) if f.request_id == "r"] == [True]
 
 
+@pytest.mark.parametrize("junk", ["heartbeats", "notifications"])
+def test_staged_news_for_ids_never_held_cannot_shut_out_early_notifications(junk: str) -> None:
+    """A peer (or a decode worker heartbeating a hold this producer expired and forgot) sends
+    ``max_staged`` heartbeats with an hour's extension for ids never held here. They were staged
+    until their promise ended and, being promises, evicted every early notification first: for an
+    hour each early notification was dropped as it came, its hold waited out its lease and the
+    innocent consumer was blamed (found by a helper's hunt). Now a heartbeat is staged one lease, as
+    a notification is, and promises take at most half of staging: the early notification of a
+    real hold survives, and the hold is released when it registers."""
+    core = make_core(engine_id="P", strict=False, lease_ns=LEASE, max_staged=8)
+    for i in range(8):
+        if junk == "heartbeats":
+            core.apply(ev(Heartbeat, i, request_id=f"junk-{i}", extend_ns=3_600 * LEASE))
+        else:
+            core.apply(ev(NotificationReceived, i, request_id=f"junk-{i}", part=0, of=1))
+    core.apply(ev(NotificationReceived, 10, request_id="r", part=0, of=1))  # before its hold registers
+    core.apply(ev(BlocksHeld, 11, request_id="r", block_ids=(7,)))
+    assert [(f.request_id, f.expired) for f in _finished(core)] == [("r", False)]
+    core.apply(ev(Tick, 2 * LEASE))  # one lease on, no junk is left staged
+    assert not [rid for rid in core.producers if rid.startswith("junk")]
+
+
 # --- kept: topology, every ratio ----------------------------------------------------------------------
 
 
@@ -107,7 +129,8 @@ def test_producer_interleavings_release_once_never_early_and_keep_heartbeat_prom
     """Random interleavings (deterministic seeds) of BlocksHeld, notifications (duplicates, bad parts,
     a wrong ``of`` after the first), heartbeats and ticks, staging never full: one FinishedSending per
     held request; released by notifications only once every part of the first ``of`` came; expired
-    never before the lease or a heartbeat promise; bad notifications recorded as remote faults and
+    never before the lease or a heartbeat promise (a heartbeat before the hold: kept if the hold
+    registered while it was staged, one lease); bad notifications recorded as remote faults and
     leave the machine as it was."""
     for seed in range(seed_base * 1500, seed_base * 1500 + 1500):
         rnd = random.Random(seed)
@@ -115,6 +138,7 @@ def test_producer_interleavings_release_once_never_early_and_keep_heartbeat_prom
         t, of_ = 0, rnd.choice([1, 2, 3])
         held: dict[str, int] = {}
         promise: dict[str, int] = {}
+        staged_promise: dict[str, int] = {}  # heartbeats before the hold, while its staged entry lives
         parts: dict[str, set[int]] = defaultdict(set)
         first_of: dict[str, int] = {}
         freed: dict[str, list[FinishedSending]] = defaultdict(list)
@@ -137,13 +161,15 @@ def test_producer_interleavings_release_once_never_early_and_keep_heartbeat_prom
             if before is None and core.remembered(PRODUCER, rid) is None:  # a fresh machine (or a discarded one's)
                 parts[rid].clear()
                 first_of.pop(rid, None)
+                staged_promise.pop(rid, None)
             remote = core.violations[Fault.REMOTE]
             core.apply(e)
             if isinstance(e, BlocksHeld):
                 held[rid] = t
-                promise[rid] = max(promise.get(rid, 0), t + LEASE)
+                promise[rid] = max(promise.get(rid, 0), t + LEASE, staged_promise.pop(rid, 0))
             elif isinstance(e, Heartbeat) and not freed[rid]:
-                promise[rid] = max(promise.get(rid, 0), t + e.extend_ns)
+                waiting = promise if rid in held else staged_promise
+                waiting[rid] = max(waiting.get(rid, 0), t + e.extend_ns)
             elif isinstance(e, NotificationReceived):
                 good = 0 <= e.part < e.of and first_of.setdefault(rid, e.of) == e.of and e.part not in parts[rid]
                 if good and not freed[rid]:
