@@ -93,6 +93,11 @@ _Minting = tuple[str, str, int, str]
 _FORGOTTEN_NS: Final = 10_000_000  # the issue-time slot of params forgotten while their lease ran
 
 
+# A load in these states may still read, or still owes its notices (a heartbeat's promise moves them).
+_STILL_READING: Final = frozenset({ConsumerStates.HANDSHAKING, ConsumerStates.READING, ConsumerStates.FAILING,
+                                   ConsumerStates.ABORTING})
+
+
 def _minting(p: KVTransferParams) -> _Minting:
     return (p.remote_engine_id, p.remote_request_id, p.issued_wall_ns, p.remote_incarnation)
 
@@ -622,7 +627,7 @@ class Connector:
         minting = _minting(p)
         loaded = self._loaded.get(minting)
         reader = loaded[0] if loaded is not None else self._live_load(minting)
-        if reader is not None and not self._reads(reader, minting):
+        if reader is not None and not self._reading(reader, minting):
             return 0
         if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:  # as a load would be refused
             return 0
@@ -648,7 +653,9 @@ class Connector:
                 self._promise(minting, sent_at + extend_ns)
             else:  # loaded: the request carries it from here (found by a helper's hunt)
                 self.core.submit(Promised(source=Source.SCHEDULER, t_ns=sent_at, request_id=reader,
-                                          promised_ns=sent_at + extend_ns))
+                                          promised_ns=sent_at + extend_ns, engine_id=p.remote_engine_id,
+                                          remote_request_id=p.remote_request_id,
+                                          issued_wall_ns=p.issued_wall_ns))
         return told
 
     def _promise(self, minting: _Minting, until: int) -> None:
@@ -746,13 +753,17 @@ class Connector:
     def _live(self, rid: str) -> bool:
         return rid in self.core.consumers or rid in self._queued[CONSUMER]
 
-    def _reads(self, rid: str, minting: _Minting) -> bool:
-        """``rid`` is live and still the load of these params (not a later one under its id)."""
+    def _reading(self, rid: str, minting: _Minting) -> bool:
+        """The load ``rid`` of these params may still read, or still owes its notices: queued
+        (its Promised names the params, and a later load under the id ignores it), or handshaking,
+        reading or stopping. One whose reads have all stopped settled its notices then."""
         m = self.core.consumers.get(rid)
-        req = m.req if m is not None else None
-        if req is not None:
-            return (req.engine_id, req.remote_request_id, req.issued_wall_ns) == minting[:3]
-        return self._live(rid)
+        if m is None:
+            return rid in self._queued[CONSUMER]
+        req = m.req
+        if req is not None and (req.engine_id, req.remote_request_id, req.issued_wall_ns) != minting[:3]:
+            return False  # a later load under the id: these params' load ended
+        return m.state in _STILL_READING
 
     def _live_load(self, minting: _Minting) -> str | None:
         """The live load of these params that the remembered count already pushed out, if any."""
@@ -936,9 +947,11 @@ class Connector:
             # Reads a cancel did not stop (NIXL's "wait" policy) end now, while the transport can
             # still send: the requests they held tell their producers at the next step, which
             # would otherwise wait out a lease and blame us (found by review).
+            stop_reads = getattr(self.transport, "stop_reads", None)  # a transport written before it: close() does
             with self.core.log.owner_waiting():
                 try:
-                    self.transport.stop_reads()
+                    if stop_reads is not None:
+                        stop_reads()
                 except Exception:  # noqa: BLE001 - close() still stops them; the error is logged
                     _log.exception("stop_reads failed", part=type(self.transport).__name__)
             self.step()

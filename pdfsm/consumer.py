@@ -140,7 +140,10 @@ def notify_until(req: ReadRequested, trust: int, core: Core, promised: int = 0) 
     stops after its trust bound but within that still tells the producer, which would otherwise
     keep the blocks for the whole extension, then blame this side."""
     promised = max(req.promised_ns, promised)
-    return max(trust, promised - core.config.lease_margin_ns) if promised else trust
+    # Only for params that name their hold (issued_wall_ns): a notice past the trust bound may
+    # reach a producer that released at its lease (the heartbeat lost) and holds the id again
+    # since; it tells that new hold apart by the issue time, which unnamed params cannot give.
+    return max(trust, promised - core.config.lease_margin_ns) if promised and req.issued_wall_ns else trust
 
 
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -434,6 +437,12 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
             pay_drop(e, core)
             ask_owed_eviction(e, core, t_ns)
     m.engines = m.held_at = ()
+
+
+def _of_other_params(m: ConsumerRequest, ev: Promised, core: Core) -> bool:
+    req = m.req
+    return req is None or (req.engine_id, req.remote_request_id, req.issued_wall_ns) != (
+        ev.engine_id, ev.remote_request_id, ev.issued_wall_ns)
 
 
 def _promise(m: ConsumerRequest, ev: Promised, core: Core) -> None:
@@ -1011,7 +1020,9 @@ TABLE: Final[Table] = Table(
         # A heartbeat after the load: until when its notices are owed (the Connector sends it only
         # for a live load; a promise made before the load comes in ReadRequested).
         on(S.NEW, Promised, Ignore("no such request: a load carries the promises made before it")),
-        *(on(st, Promised, Go(st, _promise)) for st in (S.HANDSHAKING, S.READING, *STOPPING)),
+        *(on(st, Promised, Ignore("a promise for other params: a later load under this request id",
+                                  when=_of_other_params), Go(st, _promise))
+          for st in (S.HANDSHAKING, S.READING, *STOPPING)),
         on((*AFTER_READS, S.RELEASED), Promised, Ignore("every read has stopped: its notices were settled then")),
         # A request id is never requested twice.
         on((*LIVE, S.RELEASED), ReadRequested, Illegal(local, "request id already in use")),

@@ -551,16 +551,17 @@ class Core:
         oldest entry goes, one holding only notifications first: losing those costs the request
         its lease's wait, while a heartbeat's promise lost leaves the hold a plain lease, shorter
         than its consumers were promised. Entries with a promise take at most half the bound (at
-        least one): a peer's heartbeats for ids never held here cannot shut notifications out."""
+        least one, so from a bound of 2 up): a peer's heartbeats for ids never held here cannot shut
+        notifications out."""
         (self._promised if m.extended_to is not None else self._staged)[m.request_id] = None
         self.leases.arm(m.request_id, m.deadline)
         self._bound_staging(m.t_start)
 
-    def promise(self, m: producer.ProducerRequest) -> None:
+    def promise(self, m: producer.ProducerRequest, t_ns: int) -> None:
         """A staged request now holds a heartbeat's promise: dropped only when nothing else can be."""
         if self._staged.pop(m.request_id, 0) is None:
             self._promised[m.request_id] = None
-            self._bound_staging(m.t_start)
+            self._bound_staging(t_ns)
 
     def _bound_staging(self, t_ns: int) -> None:
         bound = self.config.max_staged

@@ -304,9 +304,13 @@ class Promised(_ConsumerEvent, frozen=True):
     """This worker's heartbeat asked the producer to hold the request's blocks until
     ``promised_ns`` (this core's clock), after the request was loaded: a notice stays owed until
     then less the margin, as for a promise made before the load (``ReadRequested.promised_ns``).
-    Never trusted for a read (a heartbeat may be lost)."""
+    Never trusted for a read (a heartbeat may be lost). It names the params heartbeated: a later
+    load under the same request id, of other params, ignores it."""
 
     promised_ns: int
+    engine_id: str = ""
+    remote_request_id: str = ""
+    issued_wall_ns: int = 0
 
 
 class DeadlinePassed(_ConsumerEvent, frozen=True):

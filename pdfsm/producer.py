@@ -315,7 +315,7 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
         core.leases.arm(m.request_id, m.deadline)
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
-    core.promise(m)
+    core.promise(m, ev.t_ns)
 
 
 def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:

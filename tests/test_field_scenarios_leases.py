@@ -25,6 +25,7 @@ from pdfsm.events import (
     HandshakeDone,
     HandshakeReply,
     PeerAdded,
+    Promised,
     RankInfo,
     ReadRequested,
 )
@@ -166,6 +167,61 @@ def test_params_whose_load_ended_are_not_heartbeated() -> None:
     sent = len(w.cons.sent)
     assert w.d.heartbeat(params, 60 * S) == 0
     assert len(w.cons.sent) == sent
+
+
+def test_a_load_whose_reads_stopped_is_not_heartbeated() -> None:
+    """A load refused past its trust bound by ``start_load_kv``'s step (FAILED, nobody told, not
+    handed off yet) was still heartbeated: the producer extended the hold by the whole extension
+    for a request that would never notify it, then expired it and blamed the consumer (found by
+    review). Its notices were settled when its reads stopped: 0 ranks are told."""
+    w = LeaseWorld(p_lease_ns=4 * S)
+    w.connect()
+    params = w.p.request_finished("p1", [1, 2])
+    w.run(1)
+    w.now += 3 * S + S // 2  # past the consumer's trust bound (the lease less the 1 s margin)
+    w.d.start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((5, 6), params)}))
+    assert w.d.core.consumers["d1"].state.name == "FAILED"
+    assert w.d.heartbeat(params, 60 * S) == 0
+    w.run(1, dt=S)
+    assert w.expired == ["p1"]  # at its own lease, not a minute later
+
+
+def test_a_promise_is_kept_only_for_params_that_name_their_hold() -> None:
+    """A notice past the trust bound may reach a producer that released at its lease (the
+    heartbeat lost) and holds the request id again since: it tells the new hold apart only by the
+    params' issue time. Params that do not say it (``issued_wall_ns`` 0) get no notice past the
+    trust bound, promise or not (found by review: with a producer not checking, the late notice
+    released the new hold while its reader still read)."""
+    for issued, told in ((0, False), (10**18, True)):
+        d = Core(CoreConfig(engine_id="D", compat_hash="h"))
+        d.apply(ReadRequested(source="s", t_ns=0, request_id="warm", remote_request_id="w", engine_id="P",
+                              local_blocks=(1,), remote_blocks=(1,)))
+        rank = RankInfo(pp_rank=0, tp_rank=0, agent="a")
+        d.apply(HandshakeDone(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1,
+                              reply=HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(rank,))))
+        d.apply(PeerAdded(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1))
+        d.take_commands()
+        d.apply(ReadRequested(source="s", t_ns=5 * S, request_id="d1", remote_request_id="p1", engine_id="P",
+                              local_blocks=(2,), remote_blocks=(2,), lease_ns=4 * S, lease_start_ns=0,
+                              issued_wall_ns=issued, promised_ns=40 * S))
+        assert d.consumers["d1"].state.name == "FAILED"  # refused: the lease the params gave is over
+        notes = [c for c in d.take_commands() if isinstance(c, SendNotification)]
+        assert bool(notes) is told, (issued, notes)
+
+
+def test_a_promise_for_other_params_is_ignored_by_a_later_load_under_the_id() -> None:
+    """``Promised`` names the params heartbeated: a load under the same request id of other params
+    (the id reused once forgotten, its new load queued when the old params were heartbeated) does
+    not take their promise (found by review)."""
+    d = Core(CoreConfig(engine_id="D", compat_hash="h"))
+    d.apply(ReadRequested(source="s", t_ns=0, request_id="d1", remote_request_id="p2", engine_id="P",
+                          local_blocks=(1,), remote_blocks=(1,), issued_wall_ns=2))
+    d.apply(Promised(source="scheduler", t_ns=1, request_id="d1", promised_ns=60 * S, engine_id="P",
+                     remote_request_id="p1", issued_wall_ns=1))
+    assert d.consumers["d1"].promised == 0
+    d.apply(Promised(source="scheduler", t_ns=2, request_id="d1", promised_ns=60 * S, engine_id="P",
+                     remote_request_id="p2", issued_wall_ns=2))
+    assert d.consumers["d1"].promised == 60 * S
 
 
 def test_heartbeat_promise_ends_and_a_later_stop_tells_nobody() -> None:

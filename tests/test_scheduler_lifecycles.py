@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import structlog
+import structlog.testing
 from test_connector import World
 
 from pdfsm.commands import StartHandshake
@@ -126,6 +128,32 @@ def test_shutdown_returns_the_last_report_even_when_closing_a_component_raises(p
         left = {rid: m.state.name for rid, m in d.core.consumers.items()}
         pytest.fail(f"shutdown() raised {exc!r} and returned no report; left unreported: {left}")
     assert out.finished_recving == {"d1"} and out.aborted == {"d1"} and out.invalid_block_ids == {5, 6}
+
+
+def test_shutdown_over_a_transport_written_before_stop_reads_is_quiet() -> None:
+    """``Transport.stop_reads`` is newer than the protocol's first version: a transport an embedder
+    wrote before it has none. Shutdown called it all the same and logged an error with a traceback
+    every time (found by review); close() stops such a transport's reads, as it always did."""
+    w = World()
+    w.now = T0
+    d = w.d[0]
+    real = d.transport
+
+    class Older:
+        def __getattr__(self, name: str) -> Any:
+            if name == "stop_reads":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    d.transport = Older()
+    w.net.script("d1", 0, 0, ReadScript(end="hang"))
+    d.load("d1", [5, 6], w.prefill("p1", [1, 2]))
+    for _ in range(3):
+        d.step()
+    with structlog.testing.capture_logs() as logs:
+        out = d.shutdown()
+    assert out.aborted == {"d1"} and out.invalid_block_ids == {5, 6}
+    assert not [e for e in logs if e.get("log_level") == "error"], logs
 
 
 # --- 3. passing: coverage of lifecycles the other files do not drive ----------------------------------------

@@ -589,9 +589,13 @@ class World:
                       host="prefill", port=1, remote_tp=s.producer_tp, remote_pp=s.producer_pp,
                       local_blocks=self.blocks[i], remote_blocks=self._p_blocks(i) if self.blocks[i] else (),
                       lease_ns=s.lease_ns * UNIT_NS, lease_start_ns=self.lease_seen[i] * UNIT_NS,
-                      issued_wall_ns=(WALL0 + self.finished_at[i]) * UNIT_NS if self.walls else 0)
+                      issued_wall_ns=self._issued(i))
         self.requested.add((rank, ev.request_id))
         self._deliver_source(source, f"D{rank}", ev)
+
+    def _issued(self, i: int) -> int:
+        """The params' issued_wall_ns (0: wall clocks not modelled)."""
+        return (WALL0 + self.finished_at[i]) * UNIT_NS if self.walls else 0
 
     def _register(self, source: str, target: str, agent: str, ev: BlocksHeld) -> None:
         self.registered[(agent, ev.request_id)] = self.now
@@ -654,7 +658,8 @@ class World:
         for rank in range(self.s.consumer_tp):  # every producer rank was told: a loaded request is promised
             if (rank, self.crid(i)) in self.requested:  # as the Connector hands it to a live load
                 self.apply(f"D{rank}", self._ev(Promised, request_id=self.crid(i),
-                                                promised_ns=(self.now + self.s.lease_ns) * UNIT_NS))
+                                                promised_ns=(self.now + self.s.lease_ns) * UNIT_NS, engine_id="P",
+                                                remote_request_id=self.prid(i), issued_wall_ns=self._issued(i)))
 
     def _evict(self) -> None:
         self.faults_used.add("evict again" if "evict" in self.faults_used else "evict")
