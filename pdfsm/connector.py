@@ -967,7 +967,15 @@ class Connector:
                         part.close()
                     except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
                         _log.exception("close failed", part=type(part).__name__)
-        self.get_finished()
+        try:
+            self.get_finished()
+        except BaseException:  # the last step failed (a full disk): closed all the same (found by review)
+            self._closed = True
+            try:
+                self.core.log.close()
+            except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                _log.warning("log close failed", error=f"{type(exc).__name__}: {exc}")
+            raise
         self._closed = True
         self.core.log.close()
         return self.last

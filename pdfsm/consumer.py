@@ -569,8 +569,11 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
             # one whose stage lost a rank and is handshaken again for a newer request before this
             # one's last read stopped (the old peer is dropped then: found by a helper's hunt).
             e.notices.append((req, trust, cmd))
-        elif not connected_only:
+        elif not connected_only and not handshaking:
             core.emit(cmd)  # a stage lost and not handshaken again: the transport says why it cannot go
+        # A stage handshaking that cannot be owed this notice (no lease to bound it, params a stage
+        # alone cannot check, or its list full) is told nothing: a process connecting there may be
+        # one that never held it (found by a helper's hunt); the hold ends at its lease.
 
 
 def _may_owe(req: ReadRequested) -> bool:

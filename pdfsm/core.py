@@ -448,6 +448,12 @@ class Core:
                 self._arm_idle(e, e.idle_since + period)  # used since
             elif e.readers or e.waiters:
                 self._arm_idle(e, now + period)  # held: look again later
+            elif e.notices and (kept := [n for n in e.notices if n[1] > now]):
+                # Notices kept for a handshake at another address (a failed attempt's): forgetting
+                # the engine lost them, and their producer waited out its lease (found by a
+                # helper's hunt). Kept until the last can no longer be sent.
+                e.notices = kept
+                self._arm_idle(e, max(n[1] for n in kept))
             else:
                 self.derive(EvictRequested(source=Source.CORE, t_ns=now, engine_id=engine_id, pp_rank=e.pp_rank))
 

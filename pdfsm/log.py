@@ -170,10 +170,13 @@ class EventLog:
                 self._room.notify_all()
 
     def close(self) -> None:
-        self.flush()
-        self._closed = True
-        if self.sink is not None:
-            self.sink.close()
+        """Flush and close the sink; closed even when the flush raises (raised after)."""
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self.sink is not None:
+                self.sink.close()
 
     # --- reading --------------------------------------------------------------------------------
 

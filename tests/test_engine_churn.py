@@ -15,9 +15,11 @@ from typing import Any
 
 from helpers import ev, make_core, read, reply
 
-from pdfsm.commands import HandOff, StartHandshake
+from pdfsm.commands import HandOff, SendNotification, StartHandshake
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.events import (
+    AbortRequested,
+    Collect,
     CoreConfig,
     EngineWanted,
     HandleFailed,
@@ -26,7 +28,9 @@ from pdfsm.events import (
     HandshakeFailed,
     HandshakeReply,
     NotificationReceived,
+    PeerAdded,
     PeerDisconnected,
+    RankInfo,
     Source,
     Tick,
 )
@@ -509,3 +513,62 @@ def test_a_heartbeat_that_missed_a_pp_stage_promises_nothing() -> None:
     late = [r for r in ps[1].core.log.records() if isinstance(r.event, NotificationReceived)
             and r.event.request_id == "p1"]
     assert not late, [(r.state, r.reason) for r in late]
+
+
+def _notes(cmds: list[Any]) -> list[tuple[int, str]]:
+    return [(c.pp_rank, c.notification.request_id) for c in cmds if isinstance(c, SendNotification)]
+
+
+def test_a_notice_kept_for_another_address_outlives_the_failed_engine_being_forgotten() -> None:
+    """A request set aside for a moved producer (:10) is aborted while the old address (:9) is
+    handshaken; its notice is kept for a handshake at :10 across :9's failure (decisions.md). The
+    FAILED engine was then forgotten after ``max(tombstone_ns, handshake_retry_ns)`` (240 s here)
+    with the notice in it, and the producer held the blocks its whole 600 s lease (found by a
+    helper's hunt). Now the engine is kept until the notice can no longer be sent."""
+    s = 1_000_000_000
+    core = make_core(strict=False)
+    core.apply(read("old", t=0, port=9, host="h", lease_ns=600 * s, lease_start_ns=0))
+    core.apply(read("new", t=1, port=10, host="h", lease_ns=600 * s, lease_start_ns=0))  # set aside
+    core.apply(ev(AbortRequested, 2, request_id="new"))
+    core.apply(ev(HandshakeFailed, s, engine_id="P", pp_rank=0, attempt=1, error="refused"))
+    core.apply(ev(Collect, s, step=1))
+    core.take_commands()
+    core.apply(ev(Tick, 241 * s))
+    assert ("P", 0) in core.engines, "forgotten with a notice still owed"
+    t = 250 * s
+    core.apply(read("next", t=t, port=10, host="h", lease_ns=600 * s, lease_start_ns=t))
+    e = core.engines[("P", 0)]
+    core.apply(ev(HandshakeDone, t + 1, engine_id="P", pp_rank=0, attempt=e.attempt, reply=reply()))
+    core.apply(ev(PeerAdded, t + 1, engine_id="P", pp_rank=0, attempt=e.attempt))
+    assert (0, "p-new") in _notes(core.take_commands())
+    core.apply(ev(Tick, 1_000 * s))  # past the last bound: nothing keeps an engine now
+    assert not core.engines[("P", 0)].notices
+
+
+def test_a_notice_that_cannot_be_owed_is_not_sent_to_a_stage_connecting_to_a_restarted_process() -> None:
+    """A PP 2 request whose params do not say their minting stage: its stage 1 is lost, a newer
+    request handshakes it again, the restarted process's reply is accepted (AddPeer emitted), and
+    then the old request's last read stops. Such a notice cannot be owed (a stage connecting alone
+    cannot check those params); it was emitted all the same, after the AddPeer, and reached the new
+    process, which never held it (found by a helper's hunt). A stage handshaking is told nothing."""
+    s, issued = 1_000_000_000, 1_000 * 1_000_000_000
+
+    def answer(pp: int, incarnation: str, started: int) -> Any:
+        return reply("P", pp_rank=pp, pp_size=2, ranks=(RankInfo(
+            pp_rank=pp, tp_rank=0, agent=f"P{incarnation}-{pp}", incarnation=incarnation, started_wall_ns=started),))
+
+    core = make_core(strict=False)
+    core.apply(read("d1", t=1, remote_pp=2, incarnation="A", lease_ns=100 * s, issued_wall_ns=issued))
+    for pp in (0, 1):
+        core.apply(ev(HandshakeDone, 2, engine_id="P", pp_rank=pp, attempt=1, reply=answer(pp, "A", issued - 10 * s)))
+        core.apply(ev(PeerAdded, 2, engine_id="P", pp_rank=pp, attempt=1))
+    core.apply(ev(HandleFailed, 3, request_id="d1", pp_rank=1, tp_rank=0, why=HandleFailure.DISCONNECTED))
+    core.apply(ev(PeerDisconnected, 4, engine_id="P", pp_rank=1, attempt=1))
+    core.apply(read("d2", t=5, blocks=(5,), remote_blocks=(5,), remote_pp=2, incarnation="B", lease_ns=100 * s,
+                    issued_wall_ns=issued + 70 * s))
+    core.apply(ev(HandshakeDone, 6, engine_id="P", pp_rank=1, attempt=2, reply=answer(1, "B", issued + 60 * s)))
+    core.take_commands()
+    core.apply(ev(HandleFailed, 8, request_id="d1", pp_rank=0, tp_rank=0, why=HandleFailure.CANCELLED))
+    assert (1, "p-d1") not in _notes(core.take_commands())
+    core.apply(ev(PeerAdded, 9, engine_id="P", pp_rank=1, attempt=2))
+    assert (1, "p-d1") not in _notes(core.take_commands())

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -693,3 +693,54 @@ def test_shutdown_after_a_log_write_failure_still_stops_the_transport(tmp_path: 
     assert not dt.reads and "D-0" in net.dead  # closed: the read cancelled, the agent gone
     with pytest.raises(ConnectorClosed):
         d.get_finished()
+
+
+def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() -> None:
+    """The sink fails only once the transport has closed (a file log's writer finding the disk full
+    then), so shutdown's last step raises. The Connector was left open: later calls were accepted
+    (``request_finished`` minted params on a closed transport), and the log and its sink were never
+    closed (found by a helper's hunt). It still raises, and everything is closed."""
+    from helpers import reply
+
+    from pdfsm.connector import Connector
+    from pdfsm.errors import ConnectorClosed
+    from pdfsm.log import MemorySink
+    from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
+
+    net, now = SimNetwork(), [10**9]
+
+    def clock() -> int:
+        return now[0]
+
+    pt = SimTransport(net, "P-0")
+    pt.fill(range(64))
+    p = Connector(CoreConfig(engine_id="P", compat_hash="h"), pt, SimHandshaker(net), clock=clock,
+                  wall_clock=clock, port=9)
+    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(pt.rank_info(),)))
+    dt = SimTransport(net, "D-0")
+
+    class Sink(MemorySink):
+        closed = False
+
+        def write(self, rows: Sequence[Row]) -> None:
+            if dt.closed:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().write(rows)
+
+        def close(self) -> None:
+            self.closed = True
+
+    sink = Sink()
+    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), dt, SimHandshaker(net), clock=clock,
+                  wall_clock=clock, log=EventLog(sink=sink))
+    net.script("d1", 0, 0, ReadScript(polls=1000))
+    d.load("d1", [5, 6], p.request_finished("p1", [1, 2]))
+    for _ in range(3):
+        now[0] += 1000
+        d.step()
+    with pytest.raises(OSError):
+        d.shutdown()
+    assert sink.closed
+    for call in (d.get_finished, lambda: d.request_finished("x", [7])):
+        with pytest.raises(ConnectorClosed):
+            call()

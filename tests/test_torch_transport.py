@@ -548,3 +548,65 @@ def test_a_reply_of_a_process_replaced_before_add_peer_is_refused() -> None:
     finally:
         d.close()
         b.close()
+
+
+def test_a_read_the_pool_could_not_start_a_thread_for_never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread pool queues a read, then fails to start a thread for it (a process thread
+    limit): post_read raised (the Connector reports SETUP and hands the blocks back), yet the queued
+    read ran a moment later on the busy worker, copying into those blocks and notifying the
+    producer (found by a helper's hunt). A read post_read gives up is never run."""
+    net = TorchNetwork()
+    p = TorchTransport(net, "p", random_kv(1, 8, 256, seed=1))
+    local = zero_kv(1, 8, 256)
+    d = TorchTransport(net, "d", local, workers=2, latency_s=0.2)
+    out: list[Event] = []
+    p.bind(lambda e: None, time.monotonic_ns)
+    d.bind(out.append, time.monotonic_ns)
+    d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)))
+    d.post_read(PostRead("r1", "P", ReadSource(0, 0), (1,), (1,), Notification("r1", 0, 1)))
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("torch-xfer-d"):
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(TransportError, match="cannot start the read"):
+        d.post_read(PostRead("r2", "P", ReadSource(0, 0), (5,), (2,), Notification("r2", 0, 1)))
+    monkeypatch.undo()
+    d.stop_reads()
+    time.sleep(0.4)  # the busy worker is free again: it would take r2's queued work now
+    assert not local[0][5].any(), "a read given up wrote into its blocks"
+    assert [getattr(e, "request_id", None) for e in out] == ["r1"]
+    d.close()
+    p.close()
+
+
+def test_a_worker_whose_clock_raises_still_reports_and_stop_reads_returns() -> None:
+    """A clock that raises in the worker, after the copy and before the report, left the read
+    unreported and ``stop_reads``/``close`` waiting for it for ever (found by a helper's hunt). The
+    read is reported failed (untimed, it cannot be trusted) and nothing waits."""
+
+    def clock() -> int:
+        raise OSError("clock source failed")
+
+    net = TorchNetwork()
+    p = TorchTransport(net, "p", random_kv(1, 8, 256, seed=1))
+    d = TorchTransport(net, "d", zero_kv(1, 8, 256), latency_s=0.05)
+    out: list[Event] = []
+    p.bind(lambda e: None, time.monotonic_ns)
+    d.bind(out.append, clock)
+    d.add_peer(("P", 0), HandshakeReply(engine_id="P", compat_hash="", tp_size=1, ranks=(p.rank_info(),)))
+    d.post_read(PostRead("r", "P", ReadSource(0, 0), (1,), (1,), Notification("r", 0, 1)))
+    done = threading.Event()
+
+    def stop() -> None:
+        d.stop_reads()
+        done.set()
+
+    threading.Thread(target=stop, daemon=True).start()
+    assert done.wait(5), "stop_reads waits for a read that will never report"
+    assert [(type(e).__name__, getattr(e, "why", None)) for e in out] == [("HandleFailed", HandleFailure.RAISED)]
+    d.close()
+    p.close()

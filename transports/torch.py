@@ -154,13 +154,16 @@ _Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
 
 
 class _Read:
-    __slots__ = ("cancel", "cmd", "ended", "gone", "plan", "remote")
+    __slots__ = ("abandoned", "cancel", "cmd", "ended", "gone", "plan", "remote", "started")
 
     def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan, *, gone: bool) -> None:
         self.cmd, self.remote, self.plan = cmd, remote, plan
         self.gone = gone  # the peer was gone when posted: nothing planned, it ends DISCONNECTED
         self.cancel = threading.Event()
         self.ended = threading.Event()  # its worker has reported it
+        # Claimed under the reads lock: by its worker as it starts, or by post_read giving it up
+        # (the pool queued it, then could not start a thread): only one of them wins.
+        self.started = self.abandoned = False
 
 
 class TorchTransport:
@@ -306,8 +309,11 @@ class TorchTransport:
             self.reads[key] = read
         try:
             self._pool.submit(self._run, read)
-        except RuntimeError as exc:  # the pool is shut down
+        except RuntimeError as exc:  # the pool is shut down, or queued it and could not start a thread
             with self._reads_lock:
+                if read.started:  # a worker took it all the same: it reports it
+                    return
+                read.abandoned = True  # a worker that takes it later drops it (found by a helper's hunt)
                 del self.reads[key]
             raise TransportError(f"cannot start the read: {exc}") from None
 
@@ -337,7 +343,18 @@ class TorchTransport:
             read.cancel.set()
 
     def _run(self, read: _Read) -> None:
-        """Worker thread: wait, copy, notify, then report, exactly once."""
+        """Worker thread: wait, copy, notify, then report, exactly once (unless ``post_read`` gave
+        the read up, reported as SETUP)."""
+        with self._reads_lock:
+            if read.abandoned:
+                return
+            read.started = True
+        try:
+            self._copy_and_report(read)
+        finally:
+            read.ended.set()  # whatever happened: stop_reads and close wait for it
+
+    def _copy_and_report(self, read: _Read) -> None:
         why: HandleFailure | None = None
         detail = ""
         try:
@@ -355,15 +372,16 @@ class TorchTransport:
         engine = (read.cmd.engine_id, src.pp_rank)
         with self._reads_lock:
             self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
-        common = {"source": Source.TRANSFER, "t_ns": self._clock(), "request_id": read.cmd.request_id,
-                  "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
         try:
-            if why is None:
-                self._emit(HandleDone(**common))  # type: ignore[arg-type]
-            else:
-                self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
-        finally:
-            read.ended.set()
+            t_ns = self._clock()
+        except Exception as exc:  # noqa: BLE001 - the outcome must still go; untimed, it cannot be trusted
+            t_ns, why, detail = 0, HandleFailure.RAISED, f"the clock raised: {type(exc).__name__}: {exc}"
+        common = {"source": Source.TRANSFER, "t_ns": t_ns, "request_id": read.cmd.request_id,
+                  "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
+        if why is None:
+            self._emit(HandleDone(**common))  # type: ignore[arg-type]
+        else:
+            self._emit(HandleFailed(**common, why=why, detail=detail))  # type: ignore[arg-type]
         if why is HandleFailure.DISCONNECTED:
             self._lost(engine, read.remote, detail, tp_rank=src.tp_rank)
 
