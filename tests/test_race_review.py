@@ -299,3 +299,15 @@ def test_quirks_given_as_a_string_are_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match="quirks must be a frozenset of quirk names"):
         Variant(quirks="notify-on-post")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape", [
+    Scenario(requests=14, consumer_tp=4, producer_tp=4, producer_pp=2, faults=frozenset()),
+    Scenario(requests=25, consumer_tp=4, producer_tp=4, faults=frozenset())])
+def test_a_larger_world_with_no_faults_settles(shape: Scenario) -> None:
+    """Valid worlds of 14 requests over TP 4 and PP 2 (417 steps) or 25 over TP 4 were reported as
+    "the world did not settle within 400 steps", a false counterexample (found by a helper): the
+    step limit grows with the world."""
+    w = World(shape)
+    w.drain()
+    assert w.step_no > 400

@@ -63,6 +63,18 @@ def received_bytes_are_the_promised_ones(w: World) -> None:
                        f"but the prefill wrote version {promised}: the bytes are not the request's")
 
 
+def received_requests_read_every_source(w: World) -> None:
+    """A request reported received read every source of its plan to the end (a failed or missing
+    read post-processed as a success, vLLM PR 40364, reads nothing the byte check could see)."""
+    for (rank, rid), offs in w.hand_offs.items():
+        if offs[0].outcome != "received":
+            continue
+        plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
+        missing = [(s.pp_rank, s.tp_rank) for s in plan.sources if (rank, rid, s.pp_rank, s.tp_rank) not in w.read_done]
+        if missing:
+            w.fail(f"D{rank} reported {rid} received, but its reads from {missing} never completed")
+
+
 def producer_frees_once(w: World) -> None:
     """4. P releases a request's blocks exactly once (never twice)."""
     for (agent, rid), frees in w.freed.items():
@@ -181,7 +193,8 @@ def effects_not_stamped_before_their_cause(w: World) -> None:
 
 STEP_INVARIANTS: list[Callable[[World], None]] = [
     reported_at_most_once, no_report_while_reading, failures_carry_their_blocks, notify_only_never_reported,
-    received_bytes_are_the_promised_ones, producer_frees_once, leases_expire_on_time,
+    received_bytes_are_the_promised_ones, received_requests_read_every_source, producer_frees_once,
+    leases_expire_on_time,
     notifications_name_producer_requests, no_request_waits_on_an_idle_engine, nothing_overdue,
     transport_only_from_its_owner,
     pp_only_where_supported, no_local_violation,

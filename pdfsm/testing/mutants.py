@@ -184,6 +184,11 @@ def _fail_at_once(m: C.ConsumerRequest, ev: HandleFailed, core: Core) -> None:
     core.ready(m)
 
 
+# --- vLLM PR 40364 (its second half): a failed handle post-processed as a success --------------------
+
+_FAILED_AS_DONE = _consumer("failed-as-done", on(
+    C.S.READING, HandleFailed, C._not_in_flight_illegal, Go(C.S.NOTIFIED, C._read_done)))
+
 _FIRST_FAILURE_RELEASES = _consumer("first-failure-releases", on(
     C.S.READING, HandleFailed, C._not_in_flight_illegal, Go(C.S.FAILED, _fail_at_once)))
 
@@ -321,6 +326,8 @@ MUTANTS: dict[str, Variant] = {v.id: v for v in (
             _MLA_LOCAL_ID, scenario=Scenario(requests=1, producer_tp=2, mla=True, faults=frozenset())),
     Variant("vLLM PR 40364", "a handshake failure is reported as fatal instead of with the recompute policy",
             _POLICY_IGNORED, scenario=Scenario(requests=1, faults=frozenset({"handshake-refuse"}))),
+    Variant("vLLM PR 40364 / failed handle", "a failed read is post-processed as a success", _FAILED_AS_DONE,
+            scenario=Scenario(requests=1, faults=frozenset({"read-err"}))),
     Variant("vLLM PR 20139", "held blocks get no lease", _NO_LEASE,
             scenario=Scenario(requests=1, faults=frozenset({"handshake-refuse"}))),
     Variant("vLLM PR 24268", "released by the last notification and again by the lease", _DOUBLE_RELEASE,

@@ -283,7 +283,7 @@ class World:
             sink = self.sinks[name] = MemorySink()
             timers = None
             if self.variant.timers is not None:
-                timers = (self.variant.timers(), self.variant.timers())
+                timers = (Timers(), self.variant.timers())  # the leases' wheel: read deadlines stay real
             config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns * u,
                                 read_timeout_ns=s.read_timeout_ns * u, lease_margin_ns=s.lease_margin_ns * u,
                                 handshake_retry_ns=s.handshake_retry_ns * u, max_staged=s.max_staged,
@@ -313,6 +313,7 @@ class World:
         self.promised: dict[tuple[str, int], int] = {}  # the versions a request's blocks had at prefill
         self.reads: dict[tuple[int, str, int, int], _Read] = {}  # in flight: (rank, rid, pp, tp)
         self.read_versions: dict[tuple[int, str], list[tuple[str, int, int, int]]] = {}
+        self.read_done: set[tuple[int, str, int, int]] = set()  # reads that completed: (rank, rid, pp, tp)
         self.hand_offs: dict[tuple[int, str], list[HandOff]] = {}
         self.freed: dict[tuple[str, str], list[FinishedSending]] = {}  # (producer agent, rid)
         self.registered: dict[tuple[str, str], int] = {}  # (producer agent, rid) -> time registered
@@ -382,8 +383,8 @@ class World:
                 out.append(Choice(f"scheduler: decode aborts {rid}", frozenset({f"c:{rid}"}),
                                   partial(self._abort, rid)))
             if "heartbeat" in faults and self.heartbeats < 2 and self._promised(i):
-                out.append(Choice(f"scheduler: decode heartbeats {self.prid(i)}", frozenset({f"p:{self.prid(i)}"}),
-                                  partial(self._heartbeat, i)))
+                out.append(Choice(f"scheduler: decode heartbeats {self.prid(i)}",  # and promises the loads
+                                  frozenset({f"p:{self.prid(i)}", f"c:{rid}"}), partial(self._heartbeat, i)))
         if "disconnect" in faults and self.disconnects < 2 and (self.peers or self.disconnected):  # may repeat
             out.append(Choice("fault: the producer disconnects", frozenset({"engine"}), self._disconnect))
         if "evict" in faults and "evict again" not in self.faults_used:  # at most twice per run
@@ -856,6 +857,7 @@ class World:
         name = f"D{rank}"
         common = {"request_id": rid, "pp_rank": pp, "tp_rank": tp}
         if outcome == "done":
+            self.read_done.add(key)
             versions = self.read_versions.setdefault((rank, rid), [])
             prid = read.cmd.notification.request_id
             versions.extend((read.agent, b, self.version.get((read.agent, b), 0),
@@ -909,8 +911,13 @@ class World:
 
     # --- the end of a run -------------------------------------------------------------------------
 
-    def drain(self, limit: int = 400) -> None:
-        """Let everything pending happen without faults, then time pass and the scheduler collect."""
+    def drain(self, limit: int | None = None) -> None:
+        """Let everything pending happen without faults, then time pass and the scheduler collect.
+        The step limit grows with the world (a fixed 400 failed valid worlds of 14 requests over
+        TP 4 and PP 2 as "not settled": found by a helper)."""
+        s = self.s
+        if limit is None:
+            limit = 400 + 40 * s.requests * (s.consumer_tp + s.producer_tp * s.producer_pp)
         self.settling = True
         self.journal.append("     then the world settles (no faults; these steps follow from the ones above):")
         for _ in range(limit):
