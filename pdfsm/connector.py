@@ -939,38 +939,39 @@ class Connector:
         if self._closed:
             return self.last
         try:
-            self.step()  # requests loaded this step are applied first: they are aborted like the rest
-            waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
-            for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
-                self.abort(rid)
-            self.step()
-            # Reads a cancel did not stop (NIXL's "wait" policy) end now, while the transport can
-            # still send: the requests they held tell their producers at the next step, which
-            # would otherwise wait out a lease and blame us (found by review).
-            stop_reads = getattr(self.transport, "stop_reads", None)  # a transport written before it: close() does
-            with self.core.log.owner_waiting():
-                try:
-                    if stop_reads is not None:
-                        stop_reads()
-                except Exception:  # noqa: BLE001 - close() still stops them; the error is logged
-                    _log.exception("stop_reads failed", part=type(self.transport).__name__)
-            self.step()
-        except Exception:
-            # The log could not be written (a full disk): nothing can be reported, but the
-            # transport still stops, so no read writes blocks the embedder is about to free.
-            self._closed = True
-            raise
-        finally:
-            with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
-                for part in (self.handshaker, self.transport):
+            try:
+                self.step()  # requests loaded this step are applied first: they are aborted like the rest
+                waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
+                for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
+                    self.abort(rid)
+                self.step()
+                # Reads a cancel did not stop (NIXL's "wait" policy) end now, while the transport
+                # can still send: the requests they held tell their producers at the next step,
+                # which would otherwise wait out a lease and blame us (found by review).
+                stop_reads = getattr(self.transport, "stop_reads", None)  # one written before it: close() does
+                with self.core.log.owner_waiting():
                     try:
-                        part.close()
-                    except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
-                        _log.exception("close failed", part=type(part).__name__)
-        try:
+                        if stop_reads is not None:
+                            stop_reads()
+                    except Exception:  # noqa: BLE001 - close() still stops them; the error is logged
+                        _log.exception("stop_reads failed", part=type(self.transport).__name__)
+                self.step()
+            finally:
+                # Whatever happened (the log could not be written: a full disk), the transport
+                # stops, so no read writes blocks the embedder is about to free.
+                with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
+                    for part in (self.handshaker, self.transport):
+                        try:
+                            part.close()
+                        except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
+                            _log.exception("close failed", part=type(part).__name__)
             self.get_finished()
-        except BaseException:  # the last step failed (a full disk): closed all the same (found by review)
+        except BaseException:
+            # Nothing can be reported: closed all the same, the log too (it was left open, and
+            # later calls accepted), and no earlier report is handed out again as this one's
+            # (its invalid blocks went back to the scheduler already). Found by review.
             self._closed = True
+            self.last = StepOutput(step=self.last.step + 1)
             try:
                 self.core.log.close()
             except Exception as exc:  # noqa: BLE001 - the first error is the one raised

@@ -693,6 +693,7 @@ def test_shutdown_after_a_log_write_failure_still_stops_the_transport(tmp_path: 
     assert not dt.reads and "D-0" in net.dead  # closed: the read cancelled, the agent gone
     with pytest.raises(ConnectorClosed):
         d.get_finished()
+    assert d.core.log._closed  # and the log with it (found by review: it stayed open)
 
 
 def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() -> None:
@@ -734,13 +735,20 @@ def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() 
     d = Connector(CoreConfig(engine_id="D", compat_hash="h"), dt, SimHandshaker(net), clock=clock,
                   wall_clock=clock, log=EventLog(sink=sink))
     net.script("d1", 0, 0, ReadScript(polls=1000))
+    net.script("d0", 0, 0, ReadScript(end="err"))
     d.load("d1", [5, 6], p.request_finished("p1", [1, 2]))
-    for _ in range(3):
+    d.load("d0", [8], p.request_finished("p0", [3]))
+    for _ in range(6):
         now[0] += 1000
-        d.step()
+        if "d0" in d.get_finished()[1]:
+            break
+    assert [f.request_id for f in d.last.failed] == ["d0"] and d.get_block_ids_with_load_errors() == {8}
+    assert not d.get_block_ids_with_load_errors()  # taken
     with pytest.raises(OSError):
         d.shutdown()
     assert sink.closed
     for call in (d.get_finished, lambda: d.request_finished("x", [7])):
         with pytest.raises(ConnectorClosed):
             call()
+    # The report before shutdown is not handed out again as shutdown's: its blocks went back already.
+    assert not d.get_block_ids_with_load_errors() and not d.shutdown().failed

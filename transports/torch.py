@@ -359,23 +359,26 @@ class TorchTransport:
         detail = ""
         try:
             why, detail = self._copy(read)
-            if why is None:
-                note = read.cmd.notification
-                try:
-                    self.network.deliver(self.agent_name, read.remote.agent, notify_codec.encode(note),
-                                         read.remote.incarnation)
-                except TransportError as exc:
-                    why, detail = HandleFailure.DISCONNECTED, f"notification not delivered: {exc}"
         except Exception as exc:  # noqa: BLE001 - a failing copy fails the handle, never the worker
             why, detail = HandleFailure.RAISED, f"{type(exc).__name__}: {exc}"
+        try:  # the copy's end, read before the notification goes: a clock that raises sends none
+            t_ns = self._clock()
+        except Exception as exc:  # noqa: BLE001 - the outcome must still go; untimed, it cannot be trusted
+            t_ns = 0
+            if why is None:  # the notification stays unsent: the consumer's own release notice is the one
+                why, detail = HandleFailure.RAISED, f"the clock raised: {type(exc).__name__}: {exc}"
+        if why is None:
+            try:
+                self.network.deliver(self.agent_name, read.remote.agent, notify_codec.encode(read.cmd.notification),
+                                     read.remote.incarnation)
+            except TransportError as exc:
+                why, detail = HandleFailure.DISCONNECTED, f"notification not delivered: {exc}"
+            except Exception as exc:  # noqa: BLE001
+                why, detail = HandleFailure.RAISED, f"{type(exc).__name__}: {exc}"
         src = read.cmd.source
         engine = (read.cmd.engine_id, src.pp_rank)
         with self._reads_lock:
             self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
-        try:
-            t_ns = self._clock()
-        except Exception as exc:  # noqa: BLE001 - the outcome must still go; untimed, it cannot be trusted
-            t_ns, why, detail = 0, HandleFailure.RAISED, f"the clock raised: {type(exc).__name__}: {exc}"
         common = {"source": Source.TRANSFER, "t_ns": t_ns, "request_id": read.cmd.request_id,
                   "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
         if why is None:
