@@ -194,7 +194,8 @@ class LeaseWorld:
     lags the true time, as on a node that booted later)."""
 
     def __init__(self, *, p_lease_ns: int = 4 * S, d_skew: int = 0, start: int = 20 * S, num_blocks: int = 64,
-                 d_config: dict[str, Any] | None = None, p_config: dict[str, Any] | None = None) -> None:
+                 d_config: dict[str, Any] | None = None, p_config: dict[str, Any] | None = None,
+                 d_log: EventLog | None = None) -> None:
         self.net, self.now, self.d_skew = SimNetwork(), start, d_skew
         self.prod = SimTransport(self.net, "P-0", num_blocks=num_blocks, block_bytes=LEASE_BLOCK)
         self.prod.fill(range(num_blocks))
@@ -206,7 +207,7 @@ class LeaseWorld:
         self.cons = SimTransport(self.net, "D-0", num_blocks=num_blocks, block_bytes=LEASE_BLOCK)
         self.d = Connector(CoreConfig(engine_id="D", compat_hash="h", **(d_config or {})), self.cons,
                            SimHandshaker(self.net), clock=lambda: self.now - self.d_skew,
-                           wall_clock=lambda: self.now)  # NTP keeps wall clocks together
+                           wall_clock=lambda: self.now, log=d_log)  # NTP keeps wall clocks together
         self.received: list[str] = []
         self.failed: dict[str, HandOff] = {}
         self.released: list[str] = []

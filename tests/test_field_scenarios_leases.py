@@ -11,7 +11,7 @@ block moves exactly once, and bad input is refused by name before anything is ac
 from __future__ import annotations
 
 import pytest
-from helpers import LeaseWorld, S, reply
+from helpers import LeaseWorld, S, connected, make_core, reply
 
 from pdfsm.commands import HandOff, PostRead, SendNotification
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
@@ -22,11 +22,7 @@ from pdfsm.events import (
     CoreConfig,
     HandleFailed,
     HandleFailure,
-    HandshakeDone,
-    HandshakeReply,
-    PeerAdded,
     Promised,
-    RankInfo,
     ReadRequested,
 )
 from pdfsm.fsm import Fault
@@ -193,14 +189,7 @@ def test_a_promise_is_kept_only_for_params_that_name_their_hold() -> None:
     trust bound, promise or not (found by review: with a producer not checking, the late notice
     released the new hold while its reader still read)."""
     for issued, told in ((0, False), (10**18, True)):
-        d = Core(CoreConfig(engine_id="D", compat_hash="h"))
-        d.apply(ReadRequested(source="s", t_ns=0, request_id="warm", remote_request_id="w", engine_id="P",
-                              local_blocks=(1,), remote_blocks=(1,)))
-        rank = RankInfo(pp_rank=0, tp_rank=0, agent="a")
-        d.apply(HandshakeDone(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1,
-                              reply=HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(rank,))))
-        d.apply(PeerAdded(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1))
-        d.take_commands()
+        d = connected(make_core(strict=False))
         d.apply(ReadRequested(source="s", t_ns=5 * S, request_id="d1", remote_request_id="p1", engine_id="P",
                               local_blocks=(2,), remote_blocks=(2,), lease_ns=4 * S, lease_start_ns=0,
                               issued_wall_ns=issued, promised_ns=40 * S))
@@ -365,13 +354,9 @@ def test_a_read_carries_a_notice_of_a_read_and_a_stopped_request_a_release() -> 
     """What the consumer puts on the wire: the notice a read carries says it is a read's end
     (``unread`` False: late, it is a corruption alarm at the producer); the notice of a request
     that stopped before its read completed says it is a release."""
-    d = Core(CoreConfig(engine_id="D", compat_hash="h"))
-    d.apply(ReadRequested(source="s", t_ns=0, request_id="d1", remote_request_id="p1", engine_id="P",
+    d = connected(make_core(strict=False))
+    d.apply(ReadRequested(source="s", t_ns=1, request_id="d1", remote_request_id="p1", engine_id="P",
                           local_blocks=(1,), remote_blocks=(1,)))
-    rank = RankInfo(pp_rank=0, tp_rank=0, agent="a")
-    d.apply(HandshakeDone(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1,
-                          reply=HandshakeReply(engine_id="P", compat_hash="h", tp_size=1, ranks=(rank,))))
-    d.apply(PeerAdded(source="h", t_ns=1, engine_id="P", pp_rank=0, attempt=1))
     posts = [c for c in d.take_commands() if isinstance(c, PostRead)]
     assert len(posts) == 1 and posts[0].notification.unread is False
     d.apply(HandleFailed(source="transfer", t_ns=2, request_id="d1", pp_rank=0, tp_rank=0,

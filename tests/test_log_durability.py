@@ -701,30 +701,18 @@ def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() 
     then), so shutdown's last step raises. The Connector was left open: later calls were accepted
     (``request_finished`` minted params on a closed transport), and the log and its sink were never
     closed (found by a helper's hunt). It still raises, and everything is closed."""
-    from helpers import reply
+    from helpers import LeaseWorld
 
-    from pdfsm.connector import Connector
     from pdfsm.errors import ConnectorClosed
     from pdfsm.log import MemorySink
-    from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
-
-    net, now = SimNetwork(), [10**9]
-
-    def clock() -> int:
-        return now[0]
-
-    pt = SimTransport(net, "P-0")
-    pt.fill(range(64))
-    p = Connector(CoreConfig(engine_id="P", compat_hash="h"), pt, SimHandshaker(net), clock=clock,
-                  wall_clock=clock, port=9)
-    net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(pt.rank_info(),)))
-    dt = SimTransport(net, "D-0")
+    from transports.sim import ReadScript, SimTransport
 
     class Sink(MemorySink):
         closed = False
+        transport: SimTransport | None = None
 
         def write(self, rows: Sequence[Row]) -> None:
-            if dt.closed:
+            if self.transport is not None and self.transport.closed:
                 raise OSError(errno.ENOSPC, "No space left on device")
             super().write(rows)
 
@@ -732,14 +720,15 @@ def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() 
             self.closed = True
 
     sink = Sink()
-    d = Connector(CoreConfig(engine_id="D", compat_hash="h"), dt, SimHandshaker(net), clock=clock,
-                  wall_clock=clock, log=EventLog(sink=sink))
-    net.script("d1", 0, 0, ReadScript(polls=1000))
-    net.script("d0", 0, 0, ReadScript(end="err"))
-    d.load("d1", [5, 6], p.request_finished("p1", [1, 2]))
-    d.load("d0", [8], p.request_finished("p0", [3]))
+    w = LeaseWorld(d_log=EventLog(sink=sink))
+    sink.transport = w.cons
+    w.net.script("d1", 0, 0, ReadScript(polls=1000))
+    w.net.script("d0", 0, 0, ReadScript(end="err"))
+    d = w.d
+    d.load("d1", [5, 6], w.p.request_finished("p1", [1, 2]))
+    d.load("d0", [8], w.p.request_finished("p0", [3]))
     for _ in range(6):
-        now[0] += 1000
+        w.now += 1000
         if "d0" in d.get_finished()[1]:
             break
     assert [f.request_id for f in d.last.failed] == ["d0"] and d.get_block_ids_with_load_errors() == {8}
