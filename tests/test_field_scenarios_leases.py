@@ -280,6 +280,17 @@ def test_vllm_pr_41269_late_rejection_notice_after_the_lease_is_not_a_false_corr
     assert alarms == []
 
 
+def _heartbeat_lost_then_expired(w: LeaseWorld, extend_ns: int) -> tuple[LeaseWorld, KVTransferParams]:
+    """p1 held; the decode side's heartbeat for it is lost on the wire; the producer expires it."""
+    w.connect()
+    params = w.p.request_finished("p1", [1, 2])
+    w.net.fault_notification("p1", "drop")
+    assert w.d.heartbeat(params, extend_ns=extend_ns) == 1  # sent, never delivered
+    w.run(1, dt=5 * S)
+    assert w.expired == ["p1"]
+    return w, params
+
+
 def test_uccl_issue_1015_lost_heartbeat_then_a_late_release_notice_is_not_a_corruption_alarm() -> None:
     """https://github.com/uccl-project/uccl/issues/1015 -- notifications (vLLM's lease heartbeats
     among them) were dropped on the wire with only a sender-side log line. The decode side asked
@@ -289,13 +300,7 @@ def test_uccl_issue_1015_lost_heartbeat_then_a_late_release_notice_is_not_a_corr
     error-level corruption alarm for a request that read nothing (the known limit until the notice
     said so, found by review). Expected: the notice says it is a release of unread blocks
     (``Notification.unread``); the producer records it as ignored; the only violation is the expiry."""
-    w = LeaseWorld(p_lease_ns=4 * S)
-    w.connect()
-    params = w.p.request_finished("p1", [1, 2])
-    w.net.fault_notification("p1", "drop")
-    assert w.d.heartbeat(params, extend_ns=40 * S) == 1  # sent, never delivered
-    w.run(1, dt=5 * S)
-    assert w.expired == ["p1"]
+    w, params = _heartbeat_lost_then_expired(LeaseWorld(p_lease_ns=4 * S), extend_ns=40 * S)
     sent = len(w.cons.sent)
     w.d.load("d1", [5, 6], params)
     w.run(3)
@@ -329,13 +334,8 @@ def test_a_late_release_of_a_hold_the_producer_forgot_says_it_may_be_one() -> No
     from a release under a wrong id (vLLM PR 36958), so it is still a remote violation, but its
     reason no longer says "never registered" as a fact (found by review); a staged notice of a read
     keeps that reason (tests/test_bug_corpus.py)."""
-    w = LeaseWorld(p_lease_ns=4 * S, p_config={"tombstone_ns": 10 * S})
-    w.connect()
-    params = w.p.request_finished("p1", [1, 2])
-    w.net.fault_notification("p1", "drop")
-    assert w.d.heartbeat(params, extend_ns=400 * S) == 1  # sent, never delivered
-    w.run(1, dt=5 * S)
-    assert w.expired == ["p1"]
+    w, params = _heartbeat_lost_then_expired(LeaseWorld(p_lease_ns=4 * S, p_config={"tombstone_ns": 10 * S}),
+                                             extend_ns=400 * S)
     w.run(1, dt=60 * S)
     w.d.load("x", [9], w.p.request_finished("x", [9]))  # a later hold ends: the expired one is forgotten
     w.run(3)
