@@ -535,9 +535,9 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     ``connected_only``, only the ranks of engines that are connected: a request stopping before it
     read, while a PP producer's stage 1 still handshakes, tells stage 0 instead of pinning its
     blocks a whole lease; the others cannot be told).
-    Not once the lease the params gave is over: the producer released by itself (a notice then is
-    of no use, and an older producer reads it as a read of reused blocks: vLLM PR 41269's late
-    notices; these say ``unread``). Not when the
+    Not past :func:`notify_until` (the trust bound, or later what heartbeats promised): the
+    producer released by itself (a notice then is of no use, and an older producer reads it as a
+    read of reused blocks: vLLM PR 41269's late notices; these say ``unread``). Not when the
     params contradict a connected engine of the plan either: they may name the wrong ranks, or
     another engine, or a process that has restarted since (its successor never held them)."""
     req, plan = m.req, m.plan

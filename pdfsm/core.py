@@ -564,7 +564,8 @@ class Core:
         self._bound_staging(m.t_start)
 
     def promise(self, m: producer.ProducerRequest, t_ns: int) -> None:
-        """A staged request now holds a heartbeat's promise: dropped only when nothing else can be."""
+        """A staged request now holds a heartbeat's promise: dropped when nothing else can be, or
+        when promises pass half of ``max_staged``."""
         if self._staged.pop(m.request_id, 0) is None:
             self._promised[m.request_id] = None
             self._bound_staging(t_ns)

@@ -289,8 +289,8 @@ def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
 
 
 def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
-    """A heartbeat before registration (like an early notification): remember its promise and keep
-    the staged entry at least until then."""
+    """A heartbeat before registration (like an early notification): remember its promise, kept
+    by the lease once the hold registers; staged one lease, as a notification."""
     m.t_start = ev.t_ns
     m.extended_to = ev.t_ns + ev.extend_ns
     m.promised_for = ev.issued_wall_ns

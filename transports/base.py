@@ -103,8 +103,9 @@ class Transport(Protocol):
 
     def stop_reads(self) -> None:
         """End every read still in flight for good, each reported as it ends (``HandleDone`` if it
-        had completed, else ``HandleFailed(CANCELLED)`` once no byte can still land); sends still
-        work. A Connector's shutdown calls it before :meth:`close`, so the requests it stops tell
+        had completed, else ``HandleFailed(CANCELLED)``: NIXL's at once, its release being best
+        effort; torch's and sim's once the read stopped); sends still work. A Connector's shutdown
+        calls it, if the transport has it, before :meth:`close`, so the requests it stops tell
         their producers to release (after ``close`` nothing can be sent)."""
 
     def close(self) -> None:
