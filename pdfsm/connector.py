@@ -588,8 +588,7 @@ class Connector:
         self._check_layout(p)
         self._check_fresh(rid, CONSUMER)
         minting = _minting(p)
-        loaded = self._loaded.get(minting)
-        first = loaded[0] if loaded is not None else self._live_load(minting)
+        first = self._loader(minting)
         if first is not None:
             raise InvalidInput("kv_transfer_params", f"already loaded by {first!r}: params are single-use (the "
                                                      "producer may have released those blocks since)")
@@ -625,8 +624,7 @@ class Connector:
         _check_int("extend_ns", extend_ns, low=1, high=MAX_EXTEND_NS)  # the wire's bound: more is refused there
         plan = self._check_layout(p)
         minting = _minting(p)
-        loaded = self._loaded.get(minting)
-        reader = loaded[0] if loaded is not None else self._live_load(minting)
+        reader = self._loader(minting)
         if reader is not None and not self._reading(reader, minting):
             return 0
         if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:  # as a load would be refused
@@ -760,10 +758,14 @@ class Connector:
         m = self.core.consumers.get(rid)
         if m is None:
             return rid in self._queued[CONSUMER]
-        req = m.req
-        if req is not None and (req.engine_id, req.remote_request_id, req.issued_wall_ns) != minting[:3]:
+        if m.req is not None and m.req.hold != minting[:3]:
             return False  # a later load under the id: these params' load ended
         return m.state in _STILL_READING
+
+    def _loader(self, minting: _Minting) -> str | None:
+        """The request that loaded these params, as remembered (it may have ended since)."""
+        loaded = self._loaded.get(minting)
+        return loaded[0] if loaded is not None else self._live_load(minting)
 
     def _live_load(self, minting: _Minting) -> str | None:
         """The live load of these params that the remembered count already pushed out, if any."""
@@ -940,31 +942,9 @@ class Connector:
             return self.last
         try:
             try:
-                self.step()  # requests loaded this step are applied first: they are aborted like the rest
-                waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
-                for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
-                    self.abort(rid)
-                self.step()
-                # Reads a cancel did not stop (NIXL's "wait" policy) end now, while the transport
-                # can still send: the requests they held tell their producers at the next step,
-                # which would otherwise wait out a lease and blame us (found by review).
-                stop_reads = getattr(self.transport, "stop_reads", None)  # one written before it: close() does
-                with self.core.log.owner_waiting():
-                    try:
-                        if stop_reads is not None:
-                            stop_reads()
-                    except Exception:  # noqa: BLE001 - close() still stops them; the error is logged
-                        _log.exception("stop_reads failed", part=type(self.transport).__name__)
-                self.step()
-            finally:
-                # Whatever happened (the log could not be written: a full disk), the transport
-                # stops, so no read writes blocks the embedder is about to free.
-                with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
-                    for part in (self.handshaker, self.transport):
-                        try:
-                            part.close()
-                        except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
-                            _log.exception("close failed", part=type(part).__name__)
+                self._wind_down()
+            finally:  # whatever happened (a full disk): no read writes blocks the embedder is about to free
+                self._close_parts()
             self.get_finished()
         except BaseException:
             # Nothing can be reported: closed all the same, the log too (it was left open, and
@@ -980,6 +960,33 @@ class Connector:
         self._closed = True
         self.core.log.close()
         return self.last
+
+    def _wind_down(self) -> None:
+        """Shutdown's steps: abort what still handshakes or reads, then end the reads a cancel did
+        not stop (NIXL's "wait" policy) while the transport can still send, so the requests they
+        held tell their producers at the next step; otherwise each producer waits out a lease and
+        blames us (found by review)."""
+        self.step()  # requests loaded this step are applied first: they are aborted like the rest
+        waiting = (ConsumerStates.HANDSHAKING, ConsumerStates.READING)
+        for rid in [rid for rid, m in self.core.consumers.items() if m.state in waiting]:
+            self.abort(rid)
+        self.step()
+        stop_reads = getattr(self.transport, "stop_reads", None)  # one written before it: close() does
+        with self.core.log.owner_waiting():
+            try:
+                if stop_reads is not None:
+                    stop_reads()
+            except Exception:  # noqa: BLE001 - close() still stops them; the error is logged
+                _log.exception("stop_reads failed", part=type(self.transport).__name__)
+        self.step()
+
+    def _close_parts(self) -> None:
+        with self.core.log.owner_waiting():  # their threads report as they stop: never wait for room
+            for part in (self.handshaker, self.transport):
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001 - the last report matters more; the error is logged
+                    _log.exception("close failed", part=type(part).__name__)
 
     # --- carrying out commands ------------------------------------------------------------------
 

@@ -440,9 +440,7 @@ def _let_go(m: ConsumerRequest, core: Core, t_ns: int) -> None:
 
 
 def _of_other_params(m: ConsumerRequest, ev: Promised, core: Core) -> bool:
-    req = m.req
-    return req is None or (req.engine_id, req.remote_request_id, req.issued_wall_ns) != (
-        ev.engine_id, ev.remote_request_id, ev.issued_wall_ns)
+    return m.req is None or m.req.hold != ev.hold
 
 
 def _promise(m: ConsumerRequest, ev: Promised, core: Core) -> None:

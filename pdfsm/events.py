@@ -243,6 +243,11 @@ class ReadRequested(_ConsumerEvent, frozen=True):
     # notification can still find the blocks held, and so is owed, after the params' own lease.
     promised_ns: int = 0
 
+    @property
+    def hold(self) -> tuple[str, str, int]:
+        """The hold these params name: (engine id, producer request id, issue time)."""
+        return self.engine_id, self.remote_request_id, self.issued_wall_ns
+
 
 class EngineReady(_ConsumerEvent, frozen=True):
     """Derived: the remote engine ``(engine_id, pp_rank)`` this request waits for is connected."""
@@ -311,6 +316,11 @@ class Promised(_ConsumerEvent, frozen=True):
     engine_id: str = ""
     remote_request_id: str = ""
     issued_wall_ns: int = 0
+
+    @property
+    def hold(self) -> tuple[str, str, int]:
+        """The hold the heartbeated params name, as :attr:`ReadRequested.hold`."""
+        return self.engine_id, self.remote_request_id, self.issued_wall_ns
 
 
 class DeadlinePassed(_ConsumerEvent, frozen=True):

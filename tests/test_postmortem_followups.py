@@ -13,15 +13,7 @@ from typing import Any
 import pytest
 from helpers import collect, connected, ev, handshake, make_core, read, replay_json_schema, run_cli_captured
 
-from pdfsm.events import (
-    AbortRequested,
-    BlocksHeld,
-    HandleDone,
-    HandleFailed,
-    HandleFailure,
-    NotificationReceived,
-    Tick,
-)
+from pdfsm.events import AbortRequested, BlocksHeld, HandleDone, HandleFailed, HandleFailure, NotificationReceived, Tick
 from pdfsm.filelog import segment_name, segment_paths, write_segment
 from pdfsm.log import MemorySink, Outcome, Record
 from pdfsm.postmortem import LoadedLog, print_replay, verify

@@ -154,16 +154,18 @@ _Plan = list[tuple[int, int, list[tuple[int, int, int]]]]
 
 
 class _Read:
-    __slots__ = ("abandoned", "cancel", "cmd", "ended", "gone", "plan", "remote", "started")
+    __slots__ = ("cancel", "cmd", "ended", "gone", "key", "plan", "remote", "started")
 
     def __init__(self, cmd: PostRead, remote: _Remote, plan: _Plan, *, gone: bool) -> None:
         self.cmd, self.remote, self.plan = cmd, remote, plan
+        self.key = (cmd.request_id, cmd.source.pp_rank, cmd.source.tp_rank)  # in TorchTransport.reads
         self.gone = gone  # the peer was gone when posted: nothing planned, it ends DISCONNECTED
         self.cancel = threading.Event()
         self.ended = threading.Event()  # its worker has reported it
-        # Claimed under the reads lock: by its worker as it starts, or by post_read giving it up
-        # (the pool queued it, then could not start a thread): only one of them wins.
-        self.started = self.abandoned = False
+        # Claimed under the reads lock by its worker as it starts; post_read gives a read up (the
+        # pool queued it, then could not start a thread) by taking it out of the table, unless
+        # a worker claimed it first: only one of them wins.
+        self.started = False
 
 
 class TorchTransport:
@@ -301,8 +303,8 @@ class TorchTransport:
         # the read is accepted with nothing to copy and ends DISCONNECTED (_copy), as had it gone
         # a moment later, even if it is back by then; the engine is reported gone once.
         plan = self._plan(cmd, remote, peer) if peer is not None else []
-        key = (cmd.request_id, src.pp_rank, src.tp_rank)
         read = _Read(cmd, remote, plan, gone=peer is None)
+        key = read.key
         with self._reads_lock:
             if key in self.reads:
                 raise TransportError(f"read {key} is already in flight")
@@ -313,8 +315,7 @@ class TorchTransport:
             with self._reads_lock:
                 if read.started:  # a worker took it all the same: it reports it
                     return
-                read.abandoned = True  # a worker that takes it later drops it (found by a helper's hunt)
-                del self.reads[key]
+                del self.reads[key]  # a worker that takes it later drops it (found by a helper's hunt)
             raise TransportError(f"cannot start the read: {exc}") from None
 
     def _plan(self, cmd: PostRead, remote: _Remote, peer: TorchTransport) -> _Plan:
@@ -346,7 +347,7 @@ class TorchTransport:
         """Worker thread: wait, copy, notify, then report, exactly once (unless ``post_read`` gave
         the read up, reported as SETUP)."""
         with self._reads_lock:
-            if read.abandoned:
+            if self.reads.get(read.key) is not read:  # given up by post_read
                 return
             read.started = True
         try:
@@ -378,7 +379,7 @@ class TorchTransport:
         src = read.cmd.source
         engine = (read.cmd.engine_id, src.pp_rank)
         with self._reads_lock:
-            self.reads.pop((read.cmd.request_id, src.pp_rank, src.tp_rank), None)
+            self.reads.pop(read.key, None)
         common = {"source": Source.TRANSFER, "t_ns": t_ns, "request_id": read.cmd.request_id,
                   "pp_rank": src.pp_rank, "tp_rank": src.tp_rank}
         if why is None:
