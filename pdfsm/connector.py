@@ -416,7 +416,10 @@ class Connector:
         # Cancels the transport raised on: handle -> (failures, the round to retry it in).
         self._recancel: dict[tuple[str, int, int], tuple[int, int]] = {}
         self._round = 0
-        self._invalid_taken = False  # get_block_ids_with_load_errors answered since the last get_finished
+        # Invalid blocks of reports get_block_ids_with_load_errors has not handed out yet (vLLM's
+        # _invalid_block_ids: kept until read); after shutdown, what it keeps answering.
+        self._invalid_unread: set[int] = set()
+        self._invalid_final: frozenset[int] = frozenset()
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         # Params already loaded, their minting -> (local id, their lease's end on the producer's
@@ -892,7 +895,6 @@ class Connector:
         self._open()
         self.step()
         self._step += 1
-        self._invalid_taken = False
         if self.core.pending_hand_offs:  # a collect with nothing to hand back would only fill the log
             self.core.submit(Collect(source=Source.SCHEDULER, t_ns=self._clock(), step=self._step))
             self.step()
@@ -915,20 +917,23 @@ class Connector:
         self.last = StepOutput(step=self._step, finished_sending=frozenset(sending),
                                finished_recving=frozenset(recving), invalid_block_ids=frozenset(invalid),
                                failed=tuple(failed), aborted=frozenset(aborted), expired=frozenset(expired))
+        self._invalid_unread |= invalid
         return sending, recving
 
     @_one_caller
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Local blocks of the requests the last :meth:`get_finished` reported failed, and of those
-        it reported aborted whose reads did not all complete in time: once per
-        :meth:`get_finished` (empty if asked again before the next), as vLLM's connectors clear
-        theirs when read. A worker that asks every step but collects less often would otherwise
-        mark blocks invalid again after the scheduler gave them to other requests. After
-        :meth:`shutdown` it keeps returning the last report's."""
-        if self._invalid_taken and not self._closed:
-            return set()
-        self._invalid_taken = True
-        return set(self.last.invalid_block_ids)
+        """Local blocks of the requests :meth:`get_finished` reported failed, and of those it
+        reported aborted whose reads did not all complete in time, not handed out yet: each block
+        once, then empty until a report has more, as vLLM's connectors keep their set until read.
+        Ask after :meth:`get_finished`, in the same step (vLLM's worker does): asked before it, the
+        answer is the earlier reports', and a failed request just reported is not in it yet
+        (:attr:`last` has each report's own). A second :meth:`get_finished` before asking loses
+        nothing (found by a helper's hunt: it overwrote the first report's blocks). After
+        :meth:`shutdown` it keeps returning those still unread then, the last report's included."""
+        if self._closed:
+            return set(self._invalid_final)
+        out, self._invalid_unread = self._invalid_unread, set()
+        return out
 
     @_one_caller
     def shutdown(self) -> StepOutput:
@@ -952,12 +957,14 @@ class Connector:
             # (its invalid blocks went back to the scheduler already). Found by review.
             self._closed = True
             self.last = StepOutput(step=self.last.step + 1)
+            self._invalid_final = frozenset(self._invalid_unread)  # earlier reports' unread blocks still owed
             try:
                 self.core.log.close()
             except Exception as exc:  # noqa: BLE001 - the first error is the one raised
                 _log.warning("log close failed", error=f"{type(exc).__name__}: {exc}")
             raise
         self._closed = True
+        self._invalid_final = frozenset(self._invalid_unread)
         self.core.log.close()
         return self.last
 

@@ -448,11 +448,11 @@ def test_params_forgotten_past_the_exact_marks_are_refused_by_their_issue_slot()
     d.load("fresh", [21], w.prefill("p9", [9]))
 
 
-def test_invalid_block_ids_are_answered_once_per_get_finished() -> None:
+def test_invalid_block_ids_are_handed_out_once() -> None:
     """A worker that asks for invalid blocks every step but collects every few steps: vLLM's
     connectors clear the set when read, and its scheduler maps each id to whoever holds the block
     now. Answered again, d1's failed blocks 5 and 6, given to d2 meanwhile, were marked invalid
-    for d2 (found by review). After shutdown the last report's stay."""
+    for d2 (found by review). After shutdown those unread then stay."""
     w = World()
     w.now = 10**9
     d = w.d[0]
@@ -471,8 +471,34 @@ def test_invalid_block_ids_are_answered_once_per_get_finished() -> None:
     d.load("d3", [9], w.prefill("p3", [7]))
     while "d3" not in d.get_finished()[1]:
         w.now += 1000
-    d.shutdown()
-    assert d.get_block_ids_with_load_errors() == d.get_block_ids_with_load_errors() == set(d.last.invalid_block_ids)
+    d.shutdown()  # d3's block 9 was reported and never asked for: still owed after shutdown
+    assert d.get_block_ids_with_load_errors() == d.get_block_ids_with_load_errors() == {9}
+
+
+@pytest.mark.parametrize("between", ["get_finished", "shutdown"])
+def test_a_second_report_before_the_invalid_blocks_are_asked_for_loses_none(between: str) -> None:
+    """vLLM's worker keeps failed blocks until get_block_ids_with_load_errors reads them. A worker
+    that called get_finished twice (or shut down) before asking lost the first report's: the
+    failed request's blocks came back as good data, and the scheduler decoded from them (found
+    by a helper's hunt)."""
+    w = World()
+    w.now = 10**9
+    d = w.d[0]
+    w.net.script("d1", 0, 0, ReadScript(polls=0, end="err"))
+    d.load("d1", [5, 6], w.prefill("p1", [1, 2]))
+    d.load("d2", [7], w.prefill("p2", [3]))  # still reading at shutdown: aborted, block 7 invalid
+    w.net.script("d2", 0, 0, ReadScript(polls=10**6))
+    recv: set[str] = set()
+    while "d1" not in recv:
+        w.now += 1000
+        recv |= d.get_finished()[1]
+    if between == "get_finished":
+        d.get_finished()
+        assert d.get_block_ids_with_load_errors() == {5, 6}
+        assert d.get_block_ids_with_load_errors() == set()  # handed out once
+    else:
+        assert d.shutdown().invalid_block_ids == {7}
+        assert d.get_block_ids_with_load_errors() == {5, 6, 7}
 
 
 def test_a_connector_restarted_in_process_keeps_its_predecessors_params_single_use() -> None:
