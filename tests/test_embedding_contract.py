@@ -302,6 +302,7 @@ def test_start_load_kv_takes_the_arrival_of_queued_params() -> None:
     from pdfsm.connector import ConnectorMetadata
 
     w = _connected_world(lease_ns=3_000)
+    w.d[0].get_block_ids_with_load_errors()  # the warm-up's, if its read outlived the short lease
     params = w.prefill("p1", [1])
     w.now = 10_000  # the request queued for longer than the producer's lease
     w.d[0].start_load_kv(ConnectorMetadata(reqs_to_recv={"d1": ((5,), params)}, lease_ages={"d1": 9_900}))
