@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from pdfsm import consumer, engine
 from pdfsm.fsm import Fault
+from pdfsm.testing.world import UNIT_NS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from pdfsm.records import Record
     from pdfsm.testing.world import World
 
 __all__ = ["END_INVARIANTS", "EXTRA_INVARIANTS", "STEP_INVARIANTS"]
@@ -191,6 +193,47 @@ def effects_not_stamped_before_their_cause(w: World) -> None:
                        f"{ev.t_ns}, before the event it follows from (seq {r.cause}, at {t_of[r.cause]})")
 
 
+def stopped_requests_told_every_rank(w: World) -> None:
+    """At rest, a request that stopped (received, failed, aborted, or notify-only) while the
+    producer still held for it told every producer rank it reads or skips (MLA) that it is done,
+    or tried to: a rank not told keeps the blocks a whole lease (vLLM PR 41269). Checked where the
+    world broke no connection, for stages connected at some moment between the stop and the end of
+    the lease the scheduler knew of, less the margin (a stage not reached by then may rightly not
+    be told: docs/decisions.md), and where no stage's list of owed notices can fill (``max_staged``
+    at least the requests: a notice past it is not kept)."""
+    if (w.restarts or w.disconnects or w.link_drops or w.handshake_faults or "evict" in w.faults_used
+            or w.s.max_staged < w.s.requests):
+        return
+    records = w.records()
+    for (rank, rid), at in sorted(w.stopped_at.items()):
+        by = w.tell_by[(rank, rid)]
+        if at >= by:
+            continue
+        i = int(rid[1:])
+        plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
+        ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
+        untold = [(pp, tp) for pp, tp in ranks if (rank, w.prid(i), pp, tp) not in w.told
+                  and _connected_between(records[f"D{rank}"], pp, at * UNIT_NS, by * UNIT_NS)]
+        if untold:
+            w.fail(f"D{rank} stopped {rid} at {at}, before its producer's lease ran out, and never told "
+                   f"producer ranks {untold}: they hold its blocks a whole lease")
+
+
+def _connected_between(records: list[Record], pp: int, lo: int, hi: int) -> bool:
+    """The consumer's engine stage ``pp`` was connected at some moment in [lo, hi) (core ns), on
+    the core's clock: an event stamped before the latest applied one takes effect at that."""
+    since: int | None = None  # connected from then on
+    t = 0
+    for r in records:
+        t = max(t, r.event.t_ns)
+        if r.machine != "engine" or getattr(r.event, "pp_rank", None) != pp:
+            continue
+        if since is not None and t > lo and since < hi:
+            return True
+        since = (since if since is not None else t) if r.state == "CONNECTED" else None
+    return since is not None and since < hi
+
+
 STEP_INVARIANTS: list[Callable[[World], None]] = [
     reported_at_most_once, no_report_while_reading, failures_carry_their_blocks, notify_only_never_reported,
     received_bytes_are_the_promised_ones, received_requests_read_every_source, producer_frees_once,
@@ -200,7 +243,7 @@ STEP_INVARIANTS: list[Callable[[World], None]] = [
     pp_only_where_supported, no_local_violation,
 ]
 END_INVARIANTS: list[Callable[[World], None]] = [every_request_reported, every_promise_released,
-                                                 nothing_left_running]
+                                                 nothing_left_running, stopped_requests_told_every_rank]
 EXTRA_INVARIANTS: list[Callable[[World], None]] = [effects_not_stamped_before_their_cause]
 """Step invariants the searches do not check by default (pass them as ``invariants``): each scans
 every record after every step, so it costs more than the others."""

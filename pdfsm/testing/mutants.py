@@ -204,6 +204,16 @@ def _abort_now(m: C.ConsumerRequest, ev: AbortRequested, core: Core) -> None:
 
 _ABORT_FREES = _consumer("abort-frees-under-read", on(C.S.READING, AbortRequested, Go(C.S.ABORTED, _abort_now)))
 
+# --- vLLM PR 41269: a request aborted while its engine handshakes tells the producer nothing ---------
+
+
+def _abort_untold(m: C.ConsumerRequest, ev: AbortRequested, core: Core) -> None:
+    C._stop_waiting(m, core, ev.t_ns)  # the bug: no notice owed to the stage still handshaking
+    core.ready(m)
+
+
+_ABORT_UNTOLD = _consumer("abort-untold", on(C.S.HANDSHAKING, AbortRequested, Go(C.S.ABORTED, _abort_untold)))
+
 # --- vLLM PR 43509: a notification before registration is dropped --------------------------------------
 
 _EARLY_DROPPED = _producer("early-notification-dropped", on(
@@ -340,6 +350,8 @@ MUTANTS: dict[str, Variant] = {v.id: v for v in (
             _FIRST_FAILURE_RELEASES, scenario=Scenario(requests=1, producer_tp=2, faults=frozenset({"read-err"}))),
     Variant("vLLM PR 32255", "an abort frees the blocks while a read is in flight", _ABORT_FREES,
             scenario=Scenario(requests=1, faults=frozenset({"abort"}))),
+    Variant("vLLM PR 41269", "a request aborted while its engine handshakes never tells the producer",
+            _ABORT_UNTOLD, scenario=Scenario(requests=1, faults=frozenset({"abort"}))),
     Variant("vLLM PR 43509", "a notification before the request is registered is dropped", _EARLY_DROPPED,
             scenario=Scenario(requests=1, faults=frozenset())),
     Variant("vLLM PR 50789 / issue 58222", "the expiry scan stops at the first unexpired lease",

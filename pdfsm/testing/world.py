@@ -326,6 +326,12 @@ class World:
         self.late_ticks = 0
         self._sent = 0
         self.requested: set[tuple[int, str]] = set()
+        # A request's last moment to tell the producer, on the world's clock (the lease its scheduler
+        # knew of when it asked, less the margin), and when it stopped: (rank, rid) -> units.
+        self.tell_by: dict[tuple[int, str], int] = {}
+        self.stopped_at: dict[tuple[int, str], int] = {}
+        self.told: set[tuple[int, str, int, int]] = set()  # (rank, producer rid, pp, tp): a notice sent or tried
+        self.handshake_faults = 0  # handshake answers other than a plain "ok"
         self.notifications: list[Notification] = []
         self.peers: dict[tuple[int, str, int], dict[int, str]] = {}  # (rank, engine, pp) -> tp -> agent
         self.peer_attempts: dict[tuple[int, str, int], int] = {}  # (rank, engine, pp) -> attempt that added it
@@ -592,6 +598,9 @@ class World:
                       lease_ns=s.lease_ns * UNIT_NS, lease_start_ns=self.lease_seen[i] * UNIT_NS,
                       issued_wall_ns=self._issued(i))
         self.requested.add((rank, ev.request_id))
+        self.tell_by[(rank, ev.request_id)] = self.lease_seen[i] + s.lease_ns - s.lease_margin_ns
+        if not self.blocks[i]:  # notify-only: it stops as it is asked
+            self.stopped_at.setdefault((rank, ev.request_id), self.now)
         self._deliver_source(source, f"D{rank}", ev)
 
     def _issued(self, i: int) -> int:
@@ -754,6 +763,7 @@ class World:
 
     def _answer(self, source: str, rank: int, cmd: StartHandshake, how: str) -> None:
         self.sources[source].popleft()
+        self.handshake_faults += how != "ok"
         common = {"engine_id": cmd.engine_id, "pp_rank": cmd.pp_rank, "attempt": cmd.attempt}
         if how == "refuse" or (how in ("ok", "peer-refused") and self.disconnected):
             ev: Event = self._ev(HandshakeFailed, **common, error="connection refused")
@@ -808,6 +818,7 @@ class World:
                 self._send(name, cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
             elif isinstance(cmd, HandOff):
                 self.hand_offs.setdefault((int(name[1:]), cmd.request_id), []).append(cmd)
+                self.stopped_at.setdefault((int(name[1:]), cmd.request_id), self.now)
             elif isinstance(cmd, FinishedSending):
                 self._freed(name, cmd)
 
@@ -873,6 +884,7 @@ class World:
             self.apply(name, self._ev(HandleFailed, **common, why=why, detail=outcome))
 
     def _send(self, name: str, engine: str, pp: int, tp: int, note: Notification) -> None:
+        self.told.add((int(name[1:]), note.request_id, pp, tp))
         agent = self.peers.get((int(name[1:]), engine, pp), {}).get(tp, self.agent(engine, pp, tp))
         if self.disconnected or not agent.startswith("P") or (int(name[1:]), engine, pp) in self.dead:
             self.apply(name, self._ev(SendFailed, engine_id=engine, pp_rank=pp, tp_rank=tp,
