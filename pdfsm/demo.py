@@ -138,6 +138,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
                            "read_timeout_ms"))
     except UsageError as exc:
         return str(exc)
+    if not args.mla:  # each rank holds its share of a block's heads: a remainder is cut off, a 0 moves nothing
+        for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+            if args.block_bytes % tp:
+                return (f"--block-bytes {args.block_bytes}: the {flag[2:-3]} ranks ({flag} {tp}) each hold an equal "
+                        f"part of a block, so {tp} must divide it (or --mla: every rank holds whole blocks)")
     if args.fault and not 0 <= args.fault_request < args.requests:
         return f"--fault-request {args.fault_request}: no such request (req-0 to req-{args.requests - 1})"
     return None

@@ -516,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--kv-device {args.kv_device}: not available here (torch sees "
               f"{torch.cuda.device_count()} CUDA devices); use cpu", file=sys.stderr)
         return 2
+    if not args.mla and (args.heads < 1 or args.heads % args.tp):  # a remainder is cut off; 0 heads move nothing
+        print(f"--heads {args.heads}: each of the --tp {args.tp} ranks holds an equal share of the KV heads, so "
+              f"{args.tp} must divide it (or --mla: one latent head on every rank)", file=sys.stderr)
+        return 2
     import logging
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),

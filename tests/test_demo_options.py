@@ -114,19 +114,25 @@ def test_demo_sim_fault_on_a_request_that_never_runs_is_not_reported_as_planted(
     assert code == 2, out.getvalue()[-2000:]
 
 
-def test_demo_sim_whose_reads_all_fail_with_no_fault_planted_says_so_and_fails() -> None:
-    """Scenario: `pdfsm demo-sim --prefill-tp 3 --decode-tp 1`: a 256-byte block cannot be cut into
-    3 slices, so every read is refused at set-up (the library's answer, correct). Expected: the
-    demo says 0 of 4 moved, 4 failed, why, and exits 1. Before (found by review): it printed "4
-    requests moved ... blocks with wrong bytes: 0" and exited 0."""
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--prefill-tp", "3", "--decode-tp", "1"], "--prefill-tp 3"),
+    (["--prefill-tp", "3", "--decode-tp", "6"], "--prefill-tp 3"),
+    (["--prefill-tp", "8", "--decode-tp", "8", "--block-bytes", "4"], "--prefill-tp 8"),
+])
+def test_demo_sim_refuses_a_block_its_tp_ranks_cannot_share_equally(argv: list[str], names: str) -> None:
+    """Scenario: `pdfsm demo-sim --prefill-tp 3`: a 256-byte block has no equal share for 3 ranks.
+    Before (found by review), every read was refused at set-up and the demo said 0 of 4 moved; with
+    `--decode-tp 6` the same; and `--block-bytes 4` over TP 8 gave each rank 0 bytes, which
+    "moved" with no wrong bytes and exit 0 (found by a helper's hunt). Expected: refused up front,
+    exit 2, naming the option; with --mla (whole blocks on every rank) accepted."""
     p = argparse.ArgumentParser()
     demo_sim.add_arguments(p)
-    args = p.parse_args(["--prefill-tp", "3", "--decode-tp", "1", "--requests", "4", "--quiet"])
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = demo_sim.run(args)
-    assert code == 1 and "0 of 4 requests moved" in out.getvalue() and "4 failed" in out.getvalue()
-    assert "cannot be cut into 3 equal slices" in err.getvalue()
+        code = demo_sim.run(p.parse_args([*argv, "--requests", "2", "--quiet"]))
+    assert code == 2 and "--block-bytes" in err.getvalue() and names in err.getvalue(), err.getvalue()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert demo_sim.run(p.parse_args([*argv, "--requests", "2", "--quiet", "--mla"])) == 0, err.getvalue()
 
 
 # --- more blocks in flight than the engines' pool (256 blocks) --------------------------------------

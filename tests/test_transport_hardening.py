@@ -378,3 +378,25 @@ def test_no_listening_socket_binds_every_interface_by_default() -> None:
         server.close()
         for t in transports:
             t.close()
+
+
+def test_kv_regions_of_zero_bytes_are_refused_as_the_transport_is_built() -> None:
+    """2 KV heads over 4 TP ranks (``heads // tp`` = 0): a [num_blocks, 0, head_bytes] cache, or a
+    simulated rank with 0-byte blocks, was accepted, and a transfer that moved nothing was
+    reported received (found by a helper's hunt). The NIXL transport refused it already."""
+    with pytest.raises(ValueError, match="0 bytes per block"):
+        TorchTransport(TorchNetwork(), "x", [torch.zeros(4, 0, 16, dtype=torch.uint8)])
+    for num_blocks, block_bytes in ((4, 0), (0, 64)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            SimTransport(SimNetwork(), "y", num_blocks=num_blocks, block_bytes=block_bytes)
+
+
+def test_the_demo_engine_refuses_kv_heads_its_tp_ranks_cannot_share(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--heads 8 --tp 3``: each rank got 8 // 3 heads and the remainder was never moved; with
+    ``--heads 2 --tp 4`` each got 0 heads and every transfer "moved" nothing (found by a helper's
+    hunt). Refused before anything starts."""
+    from pdfsm import engines
+
+    for heads, tp in ((8, 3), (2, 4)):
+        assert engines.main(["--role", "decode", "--engine-id", "d", "--tp", str(tp), "--heads", str(heads)]) == 2
+        assert f"--heads {heads}" in capsys.readouterr().err

@@ -155,6 +155,8 @@ class SimTransport:
             raise ValueError(f"agent {agent!r} already exists")
         if pp_rank > 0 and not supports_pp:  # as the NIXL and torch transports refuse it
             raise ValueError(f"pp_rank {pp_rank} on a transport built with supports_pp=False")
+        if num_blocks < 1 or block_bytes < 1:  # a 0-byte block "moved" and verified: nothing was tested
+            raise ValueError(f"num_blocks ({num_blocks}) and block_bytes ({block_bytes}) must be >= 1")
         self.network, self.agent = network, agent
         network.started += 1
         self.incarnation = f"sim-{network.started}"

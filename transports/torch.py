@@ -205,6 +205,8 @@ class TorchTransport:
             if not t.is_contiguous():
                 raise ValueError(f"kv_caches[{i}] is not contiguous")
             flat = t.view(-1).view(torch.uint8)
+            if not flat.numel():  # as the NIXL transport: a read of it would move nothing, reported done
+                raise ValueError(f"kv_caches[{i}]: {tuple(t.shape)} holds 0 bytes per block")
             self.flat.append(flat)
             self.regions.append(Region(0, flat.numel() // int(t.shape[0]), int(t.shape[0])))
         self.layer_map = LayerMap(layers, len(self.regions))
