@@ -125,11 +125,11 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     deadline, when the request gives up on reads still running, is the read timeout or, earlier,
     ``trust``. The read timeout is liveness, not safety: a read seen complete after it but well
     inside the lease holds the right bytes. With the lease not known it is the only bound there is."""
-    timeout = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.config.read_timeout_ns
+    timeout = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.read_timeout_ns
     if not ev.lease_ns:
         return timeout, timeout
     start = ev.t_ns if ev.lease_start_ns is None else ev.lease_start_ns
-    trust = start + ev.lease_ns - core.config.lease_margin_ns
+    trust = start + ev.lease_ns - core.lease_margin_ns
     return min(timeout, trust), trust
 
 
@@ -143,7 +143,7 @@ def notify_until(req: ReadRequested, trust: int, core: Core, promised: int = 0) 
     # Only for params that name their hold (issued_wall_ns): a notice past the trust bound may
     # reach a producer that released at its lease (the heartbeat lost) and holds the id again
     # since; it tells that new hold apart by the issue time, which unnamed params cannot give.
-    return max(trust, promised - core.config.lease_margin_ns) if promised and req.issued_wall_ns else trust
+    return max(trust, promised - core.lease_margin_ns) if promised and req.issued_wall_ns else trust
 
 
 def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -152,7 +152,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     if not blocks or ev.remote_pp != 1 or len(blocks) != len(ev.remote_blocks):
         return False
     d = ev.deadline
-    if d is not None and d.clock != core.config.clock:
+    if d is not None and d.clock != core.clock:
         return False
     if times_of(ev, core)[0] <= max(ev.t_ns, core.latest_t_ns):  # as _lease_over: never a refusal
         return False
@@ -161,7 +161,7 @@ def _can_read_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     e = core.engines.get((ev.engine_id, 0))
     if e is None or e.state is not CONNECTED or e.stalled:  # e.usable, spelt out: the hot path
         return False
-    return e.reply is not None and _contradiction(e, ev, 0, core.config.hold_skew_ns) is None
+    return e.reply is not None and _contradiction(e, ev, 0, core.hold_skew_ns) is None
 
 
 def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> str | None:
@@ -220,7 +220,7 @@ def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
     for pp in pps:
         e = core.engines.get((req.engine_id, pp))
         if e is not None and e.state is CONNECTED:
-            why = _contradiction(e, req, pp, core.config.hold_skew_ns)
+            why = _contradiction(e, req, pp, core.hold_skew_ns)
             if why is not None:
                 found = True
                 yield pp, why
@@ -241,7 +241,7 @@ def disagreement(req: ReadRequested, core: Core) -> str | None:
 
 
 def _foreign_deadline(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
-    return ev.deadline is not None and ev.deadline.clock != core.config.clock
+    return ev.deadline is not None and ev.deadline.clock != core.clock
 
 
 def _bad_topology(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -460,7 +460,7 @@ def _stop_waiting(m: ConsumerRequest, core: Core, t_ns: int) -> None:
 def _post_reads(m: ConsumerRequest, core: Core, t_ns: int) -> None:
     req, plan = m.req, m.plan
     assert req is not None and plan is not None
-    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.config.engine_id)
+    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.engine_id)
     emit, rid, eid = core.emit, m.request_id, req.engine_id
     for src in plan.sources:
         emit(PostRead(rid, eid, src, req.local_blocks, req.remote_blocks, note))
@@ -549,7 +549,7 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     # reads were posted (a restarted producer), needs the check again.
     if (connected_only or (m.attempts and m.attempts != _attempts(m, core))) and disagreement(req, core) is not None:
         return
-    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.config.engine_id,
+    note = Notification(req.remote_request_id, plan.part, plan.of, req.issued_wall_ns, core.engine_id,
                         unread=True)
     eid = req.engine_id
     unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
@@ -587,7 +587,7 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int, replaced: set[int]) -> Non
     is connected: not once their lease is over, nor when their params contradict its reply or a
     sibling stage's (but the ``replaced`` ones, evicted right after)."""
     owed, e.notices = e.notices, []
-    now, skew = max(t_ns, core.latest_t_ns), core.config.hold_skew_ns
+    now, skew = max(t_ns, core.latest_t_ns), core.hold_skew_ns
     for req, trust, cmd in owed:
         # The stage itself, and every other stage already connected (one may be the minting stage
         # and show the params are of a process since replaced), as for a notice sent now.
@@ -671,7 +671,7 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
     evict = set()
     for pp, _ in found:
         e = core.engines[(req.engine_id, pp)]
-        if not _predates(req, e, core.config.hold_skew_ns):
+        if not _predates(req, e, core.hold_skew_ns):
             evict.add(pp)
             # The stale layout's stages past the params' PP size go too: no plan of these params
             # reads them, so nothing else would (a producer restarted with fewer PP stages: its old

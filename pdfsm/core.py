@@ -226,6 +226,14 @@ class Core:
         self._idle_engine_ns = config.idle_engine_ns
         self._handshake_timeout_ns = config.handshake_timeout_ns or 2 * config.read_timeout_ns
         self.cancel_grace_ns = config.cancel_grace_ns or config.read_timeout_ns
+        # The config fields requests read on their way through, as the core's own: compiled, a
+        # field of this class is a load, one of the config (a msgspec Struct) a generic lookup.
+        self.read_timeout_ns: Final = config.read_timeout_ns
+        self.lease_ns: Final = config.lease_ns
+        self.lease_margin_ns: Final = config.lease_margin_ns
+        self.hold_skew_ns: Final = config.hold_skew_ns
+        self.engine_id: Final = config.engine_id
+        self.clock: Final = config.clock
         # The latest time a core event (a Tick, a Collect) brought: what the core knows the time is
         # at least, whatever older stamp a late event carries from another thread.
         self.latest_t_ns = t_ns

@@ -63,6 +63,7 @@ import fcntl
 import itertools
 import os
 import shutil
+import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import attrgetter
@@ -252,7 +253,9 @@ def _engines_never_idled_out(row: list[Any]) -> list[Any]:
     idleness, so its config replays with 0 (never), not today's default."""
     event = row[1]
     if isinstance(event, list) and len(event) > 3 and event[0] == "Started" and isinstance(event[3], dict):
-        event[3].setdefault("idle_engine_ns", 0)
+        # A new row, event and config: an upcaster is pure (it edited the caller's config in place).
+        config = {"idle_engine_ns": 0, **event[3]}
+        return [row[0], [*event[:3], config, *event[4:]], *row[2:]]
     return row
 
 
@@ -445,10 +448,20 @@ LOCK_NAME: Final = "writer.lock"
 """The file in a log directory that its one live writer holds locked (``flock``)."""
 
 
+def open_regular(path: Path, flags: int, mode: int = 0o644, *, error: type[LogError] = LogError) -> int:
+    """``os.open`` of a log's file, refusing anything but a regular file: a FIFO named like a
+    segment or the lock blocked the reader, and the CLI, forever (found by a helper's audit)."""
+    fd = os.open(path, flags | os.O_NONBLOCK, mode)  # no effect on a regular file's reads and writes
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error("not a regular file", path=path)
+    return fd
+
+
 def lock_writer(directory: Path) -> int:
     """Take the directory's writer lock; its fd, which holds it until closed (by the kernel, when
     the process dies). A second writer would recover, and append to, a log still being written."""
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_regular(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, error=LogWriteError)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -461,13 +474,16 @@ def lock_writer(directory: Path) -> int:
 
 
 def writer_holds(path: str | os.PathLike[str]) -> bool:
-    """Whether a live writer holds the log (a directory, or a segment file's directory)."""
+    """Whether a live writer holds the log (a directory, or a segment file's directory); True also when its
+    lock is no regular file (a FIFO): nothing then may be cut on the guess that none writes."""
     p = Path(path)
     lock = (p if p.is_dir() else p.parent) / LOCK_NAME
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = open_regular(lock, os.O_RDONLY)
     except OSError:
         return False
+    except LogError:  # a FIFO, say: no writer's lock, but nothing says none writes: never cut on that
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -480,7 +496,8 @@ def writer_holds(path: str | os.PathLike[str]) -> bool:
 def segment_start(name: str) -> int | None:
     """The start seq a segment's file name says (:func:`segment_name`), or None: not a segment's."""
     stem = name.removesuffix(SEGMENT_SUFFIX)
-    return int(stem) if stem != name and stem.isdigit() else None
+    # ASCII digits only: str.isdigit() takes "²" too, which int() refuses (found by a helper's audit)
+    return int(stem) if stem != name and stem.isascii() and stem.isdigit() else None
 
 
 def segment_paths(path: str | os.PathLike[str]) -> list[Path]:
@@ -541,7 +558,7 @@ def _parse_header(fd: int, size: int, path: Path) -> SegmentHeader | str:
 def read_header(path: str | os.PathLike[str]) -> SegmentHeader:
     """A segment's header; raises :class:`CorruptLogError` when it is damaged."""
     p = Path(path)
-    fd = os.open(p, os.O_RDONLY)
+    fd = open_regular(p, os.O_RDONLY)
     try:
         header = _parse_header(fd, os.fstat(fd).st_size, p)
     finally:
@@ -595,8 +612,9 @@ def _valid_frame_after(fd: int, offset: int, size: int, cap: int, claimed_end: i
     reads), that is evidence of later data: past the damaged frame's claimed payload (which ends at
     ``claimed_end``), or chained to it (its prev_crc is ``link``), or starting at a seq that could
     follow it: ``follows`` (the damaged frame's seq plus its record count, when its header reads),
-    or after ``seq``, the damaged frame's, by at most the bytes between them (a gap frame stands
-    for any number of records in a few bytes: only its count bounds the next seq).
+    or any seq after ``seq``, the damaged frame's (a gap frame stands for any number of records in
+    a few bytes, and the damage may have taken it: bounding the next seq by the bytes between cut
+    intact, acknowledged frames after a damaged gap frame; found by a helper's audit).
 
     Each candidate's header is judged before its payload is read and CRC-checked, and the payloads
     checked add up to at most ``_SCAN_BUDGET`` bytes: past it, ``_Unclassified`` (else frame-shaped
@@ -613,7 +631,7 @@ def _valid_frame_after(fd: int, offset: int, size: int, cap: int, claimed_end: i
                 base = fields[7]
                 if fields[2] <= size - at - FRAME.size and (
                         at >= claimed_end or fields[4] == link or (follows is not None and base == follows)
-                        or (seq is not None and seq < base <= seq + at - offset)):
+                        or (seq is not None and seq < base)):
                     spent += fields[2]
                     if spent > _SCAN_BUDGET:
                         raise _Unclassified
@@ -632,9 +650,10 @@ def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: in
     reply's metadata): a frame-shaped run of them inside a torn last record must not make it
     corruption. So a frame found inside the claimed payload is evidence of later data only if it
     chains to the damaged frame (the segment's random salt keeps anyone from forging that) or
-    starts at a seq that could follow the damaged frame's (``seq``): the real next frame always
-    does, whatever of the damaged header was hit, and a peer would have to guess this log's seq
-    to within a few hundred, and even then only make a torn tail read as corruption. Damage whose
+    starts at a seq after the damaged frame's (``seq``): the real next frame always does, whatever
+    of the damaged header was hit (a gap frame between them may stand for any number of records).
+    A peer's bytes forming such a frame only make a torn tail read as corruption: the safe side,
+    nothing cut, ``--repair`` by hand. Damage whose
     classification would take more than ``_SCAN_BUDGET`` bytes of checking is corruption: never
     cut on a guess."""
     claimed_end, link, follows = offset + 1, None, None
@@ -659,7 +678,7 @@ def _walk(path: Path, *, last: bool, cap: int, expect: int | None,
           first: SegmentHeader | None = None) -> Iterator[SegmentHeader | _Frame]:
     """The header, then every frame of one segment, checked: CRC, chain, sequence, and the same
     writer as the log's ``first`` segment (before the sequence: that names the cause)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         header = _parse_header(fd, size, path)

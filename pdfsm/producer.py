@@ -116,7 +116,7 @@ def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core)
     """
     part, of, issued = ev.part, ev.of, ev.issued_wall_ns
     return (0 <= part < of and m.parts == ((1 << of) - 1) ^ (1 << part) and m.of in (0, of)
-            and (not issued or not m.issued or abs(issued - m.issued) <= core.config.hold_skew_ns)
+            and (not issued or not m.issued or abs(issued - m.issued) <= core.hold_skew_ns)
             and m.others is None and (not m.of or ev.consumer == m.consumer))
 
 
@@ -139,7 +139,7 @@ def _another_consumer(m: ProducerRequest, ev: NotificationReceived, core: Core) 
 
 def _apart(a: int, b: int, core: Core) -> bool:
     """Issue times ``a`` and ``b`` name two holds of one id (0: not said, never apart)."""
-    skew = core.config.hold_skew_ns
+    skew = core.hold_skew_ns
     return bool(skew and a and b and abs(a - b) > skew)
 
 
@@ -157,7 +157,7 @@ def _staged_for_another_hold(m: ProducerRequest, ev: BlocksHeld, core: Core) -> 
 
 def _on_our_clock(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
     """The common case: no deadline given (the configured lease), or one on this core's clock."""
-    return ev.deadline is None or ev.deadline.clock == core.config.clock
+    return ev.deadline is None or ev.deadline.clock == core.clock
 
 
 def _foreign_deadline(m: ProducerRequest, ev: BlocksHeld, core: Core) -> bool:
@@ -211,7 +211,7 @@ def _hold(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
     m.block_ids = ev.block_ids
     m.issued = ev.issued_wall_ns
     t = m.t_start = ev.t_ns
-    deadline = m.deadline = ev.deadline.t_ns if ev.deadline is not None else t + core.config.lease_ns
+    deadline = m.deadline = ev.deadline.t_ns if ev.deadline is not None else t + core.lease_ns
     core.leases.arm(m.request_id, deadline)
 
 
@@ -272,7 +272,7 @@ def _count_staged(m: ProducerRequest, ev: NotificationReceived, core: Core) -> N
 def _stage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     _count_staged(m, ev, core)  # names the staged hold by this notification's issue time
     m.t_start = ev.t_ns
-    m.deadline = ev.t_ns + core.config.lease_ns  # its lease started before it was sent: keep it a lease
+    m.deadline = ev.t_ns + core.lease_ns  # its lease started before it was sent: keep it a lease
     core.stage(m)
 
 
@@ -283,7 +283,7 @@ def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     m.issued = 0
     m.read_noticed = False
     core.leases.disarm(m.request_id, m.deadline)
-    m.deadline = max(m.deadline, ev.t_ns + core.config.lease_ns)
+    m.deadline = max(m.deadline, ev.t_ns + core.lease_ns)
     core.leases.arm(m.request_id, m.deadline)
     _count_staged(m, ev, core)
 
@@ -298,7 +298,7 @@ def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     # lease later it is not coming. Staged until the promise's end (up to an hour), a peer's
     # heartbeats for ids never held here filled staging and shut early notifications out (found
     # by a helper's hunt); the promise is kept by the lease once the hold registers.
-    m.deadline = ev.t_ns + core.config.lease_ns
+    m.deadline = ev.t_ns + core.lease_ns
     core.stage(m)
 
 
@@ -311,7 +311,7 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
             return
         m.extended_to = None
         core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = ev.t_ns + core.config.lease_ns  # the later hold's staging time
+        m.deadline = ev.t_ns + core.lease_ns  # the later hold's staging time
         core.leases.arm(m.request_id, m.deadline)
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)

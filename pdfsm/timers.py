@@ -43,13 +43,16 @@ class Timers:
             heapq.heappush(self._order, slot)
         else:
             keys[key] = deadline
-        if slot == self._run_slot:
+        run_slot = self._run_slot
+        if run_slot is not None and slot == run_slot:  # typed: no boxed comparison on the hot path
             bisect.insort(self._run, (-deadline, key))
 
     def disarm(self, key: str, deadline: int) -> None:
         keys = self._slots.get(deadline >> self._shift)
-        if keys is not None and keys.get(key) == deadline:
-            del keys[key]
+        if keys is not None:
+            armed = keys.get(key)
+            if armed is not None and armed == deadline:
+                del keys[key]
 
     def due(self, now: int) -> list[tuple[int, str]]:
         """Every (deadline, key) at or before ``now``, earliest first, disarmed."""

@@ -17,6 +17,7 @@ from typing import Annotated, Final, Generic, TypeVar
 import msgspec
 
 from pdfsm.events import BadMessage, Event, Heartbeat, NotificationReceived
+from pdfsm.topology import MAX_RANKS
 
 __all__ = [
     "MAX_BLOCK_SIZE",
@@ -43,7 +44,10 @@ MAX_NOTIFY_BYTES: Final = 8 * MAX_ID_CHARS + 64
 MAX_EXTEND_NS: Final = 3_600_000_000_000  # a heartbeat extends a lease by an hour at most
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+# A part's index and count: at most one part per consumer rank, and a layout has at most MAX_RANKS
+# ranks. 2**16 let a peer's 25-byte notice make the producer keep a 65536-bit part mask for a
+# lease, 50 times the bytes of a real one, for each staged id (found by a helper's audit).
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANKS)]
 
 
 class WireError(ValueError):

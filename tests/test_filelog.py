@@ -685,3 +685,92 @@ def test_crc32c_matches_the_pure_fallback() -> None:
         assert crc32c(data, seed) == filelog._crc32c_pure(data, seed)
         assert crc32c(data[n // 2:], crc32c(data[: n // 2])) == crc32c(data)
 
+
+
+def test_damage_over_a_gap_frame_with_intact_frames_after_it_is_corruption_and_nothing_is_cut(
+        tmp_path: Path) -> None:
+    """reliability.md: damage followed by good records is corruption, never silently truncated.
+    Frame A (seqs 0-9), a gap frame G (5000 records lost), then B and C intact and chained; garbage
+    over A from its CRC to the end of G. A later frame counted as evidence only if its seq was
+    within the damaged bytes' count of A's, so B (seq 5010) was not, the damage read as a torn
+    tail, and recovery cut B and C, acknowledged records (found by a helper's audit)."""
+    enc = msgspec.msgpack.Encoder().encode
+
+    def rows(a: int, b: int) -> bytes:
+        return enc([(s, Tick(source="timer", t_ns=s), "core", "-", "-", 0, "", None, None) for s in range(a, b)])
+
+    head, prev = encode_header(0, SALT, {"worker": "w"})
+    parts, offsets = [head], {}
+    for name, payload, count, base, flags in (("A", rows(0, 10), 10, 0, 0),
+                                              ("G", enc({"reason": "queue full"}), 5000, 10, filelog.FLAG_GAP),
+                                              ("B", rows(5010, 5020), 10, 5010, 0),
+                                              ("C", rows(5020, 5030), 10, 5020, 0)):
+        offsets[name] = sum(map(len, parts))
+        frame, prev = encode_frame(payload, count, base, prev, wall_ns=1, mono_ns=1, flags=flags)
+        parts += [frame, payload]
+    data = bytearray(b"".join(parts))
+    rnd = random.Random(7)
+    start, end = offsets["A"] + 4, offsets["B"]
+    data[start:end] = bytes(rnd.randrange(256) for _ in range(end - start))
+    data[offsets["A"] + 8:offsets["A"] + 12] = (0xFFFFFF00).to_bytes(4, "little")  # a length past the file
+    path = tmp_path / filelog.segment_name(0)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptLogError, match="a valid frame follows"):
+        read_log(path)
+    with pytest.raises(CorruptLogError):
+        recover(tmp_path)
+    assert path.read_bytes() == bytes(data)  # nothing cut
+
+
+def test_the_real_upcasters_leave_their_input_alone() -> None:
+    """reliability.md: upcasters are pure. Schema 2 to 3 added ``idle_engine_ns`` to the caller's
+    own config dict, and from schema 1 the dict was shared with its input (found by a helper's
+    audit): a tool upcasting the same raw rows twice, or keeping them, saw them change."""
+    import copy
+
+    for path in _golden_files():
+        version = int(path.stem[1:])
+        if version == filelog.SCHEMA_VERSION:
+            continue
+        raw = msgspec.json.decode(path.with_suffix(".json").read_bytes())
+        before = copy.deepcopy(raw)
+        upcast(raw, version)
+        assert raw == before, path.name
+
+
+@pytest.mark.parametrize("name", ["\u00b2.pdlog", "\u0663.pdlog"])
+def test_a_file_named_with_non_ascii_digits_is_no_segment(name: str, tmp_path: Path) -> None:
+    """docs/log-format.md: other names in a log directory are ignored. "².pdlog" crashed the CLI
+    and FileSink (int() refuses what str.isdigit() takes) and "٣.pdlog" was taken as segment 3,
+    so the log read as corrupt (found by a helper's audit)."""
+    sink = FileSink(tmp_path)
+    sink.write([writer_row(0)])
+    sink.close()
+    (tmp_path / name).write_bytes(b"notes")
+    assert filelog.segment_start(name) is None
+    assert [r.seq for r in read_log(tmp_path)] == [0]
+    FileSink(tmp_path).close()
+
+
+@pytest.mark.parametrize("fifo", ["segment", "lock"])
+def test_a_fifo_in_a_log_directory_is_refused_never_waited_on(fifo: str, tmp_path: Path) -> None:
+    """A FIFO named like a segment, or as the writer's lock, blocked read_log, recover, FileSink
+    and ``pdfsm replay --repair`` forever on open (found by a helper's audit). Refused, typed;
+    a lock that is no regular file never lets a repair cut anything."""
+    sink = FileSink(tmp_path)
+    sink.write([writer_row(0)])
+    sink.close()
+    if fifo == "segment":
+        os.mkfifo(tmp_path / filelog.segment_name(999))
+        for call in (lambda: read_log(tmp_path), lambda: recover(tmp_path), lambda: FileSink(tmp_path)):
+            with pytest.raises(LogError, match="not a regular file"):
+                call()
+    else:
+        (tmp_path / filelog.LOCK_NAME).unlink()
+        os.mkfifo(tmp_path / filelog.LOCK_NAME)
+        assert filelog.writer_holds(tmp_path)
+        with pytest.raises(LogError, match="not a regular file"):
+            FileSink(tmp_path)
+        run = subprocess.run([sys.executable, "-m", "pdfsm.cli", "replay", "--repair", str(tmp_path)],
+                             check=False, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr  # 3: these rows lack a Started

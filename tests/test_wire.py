@@ -30,6 +30,20 @@ def test_schema_is_enforced() -> None:
         notify_codec.decode(b"\xc1")  # never-used msgpack byte
 
 
+def test_part_counts_past_the_largest_layout_are_refused() -> None:
+    """A part's index and count are bounded by MAX_RANKS (1024), not 2**16: a 25-byte notice with
+    part 65535 of 65536 made the producer keep a 65536-bit part mask for a lease, for each of
+    max_staged unknown ids and each consumer engine: 280 MiB from a flood of 25-byte messages
+    (found by a helper's audit)."""
+    from pdfsm.topology import MAX_RANKS
+
+    assert isinstance(notification_event(notify_codec.encode(Notification("p", MAX_RANKS - 1, MAX_RANKS)),
+                                         sender="a", source="notify", t_ns=1), NotificationReceived)
+    for part, of in ((65535, 65536), (0, MAX_RANKS + 1), (MAX_RANKS + 1, 2)):
+        raw = msgspec.msgpack.encode(["n", "p", part, of])
+        assert isinstance(notification_event(raw, sender="a", source="notify", t_ns=1), BadMessage), (part, of)
+
+
 def test_events_from_raw_bytes() -> None:
     ok = notification_event(notify_codec.encode(Notification("p", 0, 1)), sender="a", source="notify", t_ns=1)
     assert isinstance(ok, NotificationReceived) and ok.request_id == "p" and ok.sender == "a"
