@@ -417,9 +417,8 @@ class Connector:
         self._recancel: dict[tuple[str, int, int], tuple[int, int]] = {}
         self._round = 0
         # Invalid blocks of reports get_block_ids_with_load_errors has not handed out yet (vLLM's
-        # _invalid_block_ids: kept until read); after shutdown, what it keeps answering.
+        # _invalid_block_ids: kept until read).
         self._invalid_unread: set[int] = set()
-        self._invalid_final: frozenset[int] = frozenset()
         self._out: list[Command] = []
         self._queued: dict[int, set[str]] = {CONSUMER: set(), PRODUCER: set()}  # submitted, not yet applied
         # Params already loaded, their minting -> (local id, their lease's end on the producer's
@@ -928,10 +927,9 @@ class Connector:
         Ask after :meth:`get_finished`, in the same step (vLLM's worker does): asked before it, the
         answer is the earlier reports', and a failed request just reported is not in it yet
         (:attr:`last` has each report's own). A second :meth:`get_finished` before asking loses
-        nothing (found by a helper's hunt: it overwrote the first report's blocks). After
-        :meth:`shutdown` it keeps returning those still unread then, the last report's included."""
-        if self._closed:
-            return set(self._invalid_final)
+        nothing (found by a helper's hunt: it overwrote the first report's blocks). It still
+        answers after :meth:`shutdown`, the same way: the last report's blocks once (handed out
+        again, they marked a restarted successor's blocks invalid)."""
         out, self._invalid_unread = self._invalid_unread, set()
         return out
 
@@ -957,14 +955,12 @@ class Connector:
             # (its invalid blocks went back to the scheduler already). Found by review.
             self._closed = True
             self.last = StepOutput(step=self.last.step + 1)
-            self._invalid_final = frozenset(self._invalid_unread)  # earlier reports' unread blocks still owed
             try:
                 self.core.log.close()
             except Exception as exc:  # noqa: BLE001 - the first error is the one raised
                 _log.warning("log close failed", error=f"{type(exc).__name__}: {exc}")
             raise
         self._closed = True
-        self._invalid_final = frozenset(self._invalid_unread)
         self.core.log.close()
         return self.last
 

@@ -36,6 +36,7 @@ import torch
 from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.consumer import S
 from pdfsm.engine_messages import (
+    HEADS,
     LEASE_MARGIN_S,
     MARK,
     MAX_LINE_BYTES,
@@ -495,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pp", action="store_true", help="the transport cannot serve pp_rank > 0")
     p.add_argument("--mla", action="store_true")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8, help="the model's KV heads, shared out over the TP ranks")
+    p.add_argument("--heads", type=int, default=HEADS, help="the model's KV heads, shared out over the TP ranks")
     p.add_argument("--head-bytes", type=int, default=256)
     p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
     p.add_argument("--policy", choices=("recompute", "fail"), default="recompute")
@@ -517,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.cuda.device_count()} CUDA devices); use cpu", file=sys.stderr)
         return 2
     if not args.mla and (args.heads < 1 or args.heads % args.tp):  # a remainder is cut off; 0 heads move nothing
-        print(f"--heads {args.heads}: each of the --tp {args.tp} ranks holds an equal share of the KV heads, so "
-              f"{args.tp} must divide it (or --mla: one latent head on every rank)", file=sys.stderr)
+        print(f"--heads {args.heads}: must be at least 1, and each of the --tp {args.tp} ranks holds an equal "
+              f"share of the KV heads, so {args.tp} must divide it (or --mla: one latent head on every rank)",
+              file=sys.stderr)
         return 2
     import logging
 

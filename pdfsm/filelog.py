@@ -607,14 +607,15 @@ class _Unclassified(Exception):
 
 
 def _valid_frame_after(fd: int, offset: int, size: int, cap: int, claimed_end: int, link: int | None,
-                       seq: int | None, follows: int | None) -> int | None:
+                       seq: int | None, follows: int | None, garbled: bool) -> int | None:
     """The offset of the first self-consistent frame after the damage at ``offset``, if any (bounded
     reads), that is evidence of later data: past the damaged frame's claimed payload (which ends at
     ``claimed_end``), or chained to it (its prev_crc is ``link``), or starting at a seq that could
     follow it: ``follows`` (the damaged frame's seq plus its record count, when its header reads),
-    or any seq after ``seq``, the damaged frame's (a gap frame stands for any number of records in
-    a few bytes, and the damage may have taken it: bounding the next seq by the bytes between cut
-    intact, acknowledged frames after a damaged gap frame; found by a helper's audit).
+    or after ``seq``, the damaged frame's: by at most the bytes between them while the damaged
+    header reads as written (``garbled`` False), by any distance once it does not (a gap frame
+    stands for any number of records in a few bytes: bounding the next seq by the bytes cut
+    intact, acknowledged frames after damage that took a gap frame; found by a helper's audit).
 
     Each candidate's header is judged before its payload is read and CRC-checked, and the payloads
     checked add up to at most ``_SCAN_BUDGET`` bytes: past it, ``_Unclassified`` (else frame-shaped
@@ -631,7 +632,7 @@ def _valid_frame_after(fd: int, offset: int, size: int, cap: int, claimed_end: i
                 base = fields[7]
                 if fields[2] <= size - at - FRAME.size and (
                         at >= claimed_end or fields[4] == link or (follows is not None and base == follows)
-                        or (seq is not None and seq < base)):
+                        or (seq is not None and seq < base and (garbled or base <= seq + at - offset))):
                     spent += fields[2]
                     if spent > _SCAN_BUDGET:
                         raise _Unclassified
@@ -650,20 +651,24 @@ def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: in
     reply's metadata): a frame-shaped run of them inside a torn last record must not make it
     corruption. So a frame found inside the claimed payload is evidence of later data only if it
     chains to the damaged frame (the segment's random salt keeps anyone from forging that) or
-    starts at a seq after the damaged frame's (``seq``): the real next frame always does, whatever
-    of the damaged header was hit (a gap frame between them may stand for any number of records).
-    A peer's bytes forming such a frame only make a torn tail read as corruption: the safe side,
-    nothing cut, ``--repair`` by hand. Damage whose
+    starts at a seq that could follow the damaged frame's (``seq``): the real next frame always
+    does, whatever of the damaged header was hit. While that header reads as the writer wrote it
+    (its seq the expected one, its length within the cap), as a torn last record's does, "could
+    follow" is within a few hundred seqs, the bytes between them: a peer would have to guess this
+    log's seq that closely, and even then only make a torn tail read as corruption. A header that
+    does not read so was itself hit: a gap frame may have gone with it, and any later seq counts.
+    Damage whose
     classification would take more than ``_SCAN_BUDGET`` bytes of checking is corruption: never
     cut on a guess."""
-    claimed_end, link, follows = offset + 1, None, None
+    claimed_end, link, follows, garbled = offset + 1, None, None, True
     if size - offset >= FRAME.size:
         fields = FRAME.unpack(_pread(fd, FRAME.size, offset))
         if fields[0] == FRAME_MARKER:
             claimed_end, link = offset + FRAME.size + fields[2], fields[1]
             follows = None if seq is None else seq + fields[3]
+            garbled = fields[7] != seq or fields[2] > cap
     try:
-        after = _valid_frame_after(fd, offset, size, cap, claimed_end, link, seq, follows)
+        after = _valid_frame_after(fd, offset, size, cap, claimed_end, link, seq, follows, garbled)
     except _Unclassified:
         return CorruptLogError(f"{reason}; more frame-shaped data follows than can be checked", path=path,
                                offset=offset)

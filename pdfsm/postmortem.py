@@ -420,7 +420,7 @@ def _log_bytes_in_file(path: Path) -> bool:
                 return True
         try:  # the reader's own search for a frame after damage, here from the first byte
             return _valid_frame_after(f.fileno(), -1, size, size, claimed_end=0, link=None, seq=None,
-                                      follows=None) is not None
+                                      follows=None, garbled=True) is not None
         except _Unclassified:
             return True
 

@@ -313,6 +313,12 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
         core.leases.disarm(m.request_id, m.deadline)
         m.deadline = ev.t_ns + core.lease_ns  # the later hold's staging time
         core.leases.arm(m.request_id, m.deadline)
+    else:  # staged one lease from the latest news of the hold: a hold registering later than a
+        # lease after the first heartbeat lost the later ones' promise, which its consumer counted
+        # on, expired at once and was read reused (found by a helper's review, the race tester)
+        core.leases.disarm(m.request_id, m.deadline)
+        m.deadline = max(m.deadline, ev.t_ns + core.lease_ns)
+        core.leases.arm(m.request_id, m.deadline)
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
     core.promise(m, ev.t_ns)

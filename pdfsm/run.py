@@ -44,7 +44,18 @@ from typing import IO, Any
 
 import msgspec
 
-from pdfsm.engine_messages import LEASE_MARGIN_S, MARK, NUM_BLOCKS, Finish, Forge, Load, Prefill, Result, read_lines
+from pdfsm.engine_messages import (
+    HEADS,
+    LEASE_MARGIN_S,
+    MARK,
+    NUM_BLOCKS,
+    Finish,
+    Forge,
+    Load,
+    Prefill,
+    Result,
+    read_lines,
+)
 from pdfsm.filelog import read_log
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
@@ -109,6 +120,10 @@ def check_options(args: argparse.Namespace) -> None:
     check_sizes(args, ("requests", "prefill_tp", "decode_tp", "prefill_pp", "max_blocks", "in_flight"))
     if args.prefill_pp > LAYERS:
         raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if not args.mla and HEADS % tp:  # each rank holds an equal share of the heads (or --mla: one latent head)
+            raise UsageError(f"{flag} {tp}: the demo model's {HEADS} KV heads cannot be shared out equally over "
+                             f"{tp} ranks (or --mla)")
     if args.abort < 0:
         raise UsageError(f"--abort {args.abort}: a count of requests, at least 0")
     if not args.lease_s > LEASE_MARGIN_S:  # a read must end this long before the lease: none could

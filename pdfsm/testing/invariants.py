@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdfsm import consumer, engine
+from pdfsm.events import HandshakeFailed
 from pdfsm.fsm import Fault
-from pdfsm.testing.world import UNIT_NS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -198,13 +198,16 @@ def stopped_requests_told_every_rank(w: World) -> None:
     producer still held for it told every producer rank it reads or skips (MLA) that it is done,
     or tried to: a rank not told keeps the blocks a whole lease (vLLM PR 41269). Checked where the
     world broke no connection, for stages connected at some moment between the stop and the end of
-    the lease the scheduler knew of, less the margin (a stage not reached by then may rightly not
-    be told: docs/decisions.md), and where no stage's list of owed notices can fill (``max_staged``
-    at least the requests: a notice past it is not kept)."""
+    the lease the scheduler knew of, less the margin, and whose handshakes never failed (a stage not
+    reached by then, or whose handshake failed with notices owed to it, may rightly not be told:
+    docs/decisions.md), and where no stage's list of owed notices can fill (``max_staged`` at
+    least one per request and producer TP rank: a notice past it is not kept)."""
     if (w.restarts or w.disconnects or w.link_drops or w.handshake_faults or "evict" in w.faults_used
-            or w.s.max_staged < w.s.requests):
+            or w.s.max_staged < w.s.requests * w.s.producer_tp):
         return
     records = w.records()
+    failed = {(int(name[1:]), getattr(r.event, "pp_rank", -1)) for name, recs in records.items()
+              if name.startswith("D") for r in recs if isinstance(r.event, HandshakeFailed)}
     for (rank, rid), at in sorted(w.stopped_at.items()):
         by = w.tell_by[(rank, rid)]
         if at >= by:
@@ -213,9 +216,9 @@ def stopped_requests_told_every_rank(w: World) -> None:
         plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         untold = [(pp, tp) for pp, tp in ranks if (rank, w.prid(i), pp, tp) not in w.told
-                  and _connected_between(records[f"D{rank}"], pp, at * UNIT_NS, by * UNIT_NS)]
+                  and (rank, pp) not in failed and _connected_between(records[f"D{rank}"], pp, at, by)]
         if untold:
-            w.fail(f"D{rank} stopped {rid} at {at}, before its producer's lease ran out, and never told "
+            w.fail(f"D{rank} stopped {rid} at {at} ns, before its producer's lease ran out, and never told "
                    f"producer ranks {untold}: they hold its blocks a whole lease")
 
 

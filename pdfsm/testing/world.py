@@ -326,8 +326,8 @@ class World:
         self.late_ticks = 0
         self._sent = 0
         self.requested: set[tuple[int, str]] = set()
-        # A request's last moment to tell the producer, on the world's clock (the lease its scheduler
-        # knew of when it asked, less the margin), and when it stopped: (rank, rid) -> units.
+        # A request's last moment to tell the producer (the lease its scheduler knew of when it
+        # asked, less the margin), and when it stopped: (rank, rid) -> core ns.
         self.tell_by: dict[tuple[int, str], int] = {}
         self.stopped_at: dict[tuple[int, str], int] = {}
         self.told: set[tuple[int, str, int, int]] = set()  # (rank, producer rid, pp, tp): a notice sent or tried
@@ -598,9 +598,9 @@ class World:
                       lease_ns=s.lease_ns * UNIT_NS, lease_start_ns=self.lease_seen[i] * UNIT_NS,
                       issued_wall_ns=self._issued(i))
         self.requested.add((rank, ev.request_id))
-        self.tell_by[(rank, ev.request_id)] = self.lease_seen[i] + s.lease_ns - s.lease_margin_ns
+        self.tell_by[(rank, ev.request_id)] = (self.lease_seen[i] + s.lease_ns - s.lease_margin_ns) * UNIT_NS
         if not self.blocks[i]:  # notify-only: it stops as it is asked
-            self.stopped_at.setdefault((rank, ev.request_id), self.now)
+            self.stopped_at.setdefault((rank, ev.request_id), self.t_ns)
         self._deliver_source(source, f"D{rank}", ev)
 
     def _issued(self, i: int) -> int:
@@ -818,7 +818,7 @@ class World:
                 self._send(name, cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
             elif isinstance(cmd, HandOff):
                 self.hand_offs.setdefault((int(name[1:]), cmd.request_id), []).append(cmd)
-                self.stopped_at.setdefault((int(name[1:]), cmd.request_id), self.now)
+                self.stopped_at.setdefault((int(name[1:]), cmd.request_id), self.t_ns)
             elif isinstance(cmd, FinishedSending):
                 self._freed(name, cmd)
 
