@@ -21,6 +21,7 @@ from pdfsm.testing import FAULTS, Scenario, Variant, World, hunt
 from pdfsm.testing.coverage import explore_options
 from pdfsm.testing.explore import replay_choices
 from pdfsm.testing.invariants import EXTRA_INVARIANTS
+from pdfsm.testing.world import EXTRA_FAULTS
 
 HANDSHAKE_FAULTS = frozenset({"evict", "disconnect", "handshake-refuse", "handshake-timeout", "peer-refused"})
 
@@ -268,3 +269,24 @@ def test_a_hold_registered_past_its_first_heartbeats_lease_keeps_the_later_promi
     # The staging deadline (the next due timer) is now the latest heartbeat's lease: time jumps past
     # the promise, and r0, asked after it, fails untrusted instead of reading reused blocks.
     assert world.hand_offs[(0, "r0")][0].outcome == "failed", world.hand_offs
+
+
+@pytest.mark.parametrize(("scenario", "steps"), [
+    (Scenario(requests=2, producer_pp=2, notify_only=(1,), faults=frozenset()),
+     ["prefill: p0 finishes prefill", "scheduler: D0 asks to read r0", "timer: time passes to the next deadline",
+      "timer: 5 ns pass", "prefill: p1 finishes prefill", "scheduler: D0 asks to read r1",
+      "timer: time passes to the next deadline"]),
+    (Scenario(requests=4, producer_pp=2, producer_tp=2, mla=True, notify_only=(1, 3), policy="fail",
+              faults=FAULTS | EXTRA_FAULTS),  # both stages stalled: each refuses r1 at once
+     ["prefill: p0 finishes prefill", "scheduler: D0 asks to read r0", "handshake: D0 gets the answer for (P, pp 0) #1",
+      "handshake: D0 gets the answer for (P, pp 1) #1", "scheduler: decode aborts r0",
+      "timer: time passes to the next deadline"]),
+])
+def test_a_notify_only_pp_request_released_by_one_stage_ignores_the_other_stages_news(
+        scenario: Scenario, steps: list[str]) -> None:
+    """Found by a helper's long hunts, with no fault at all: a notify-only request waits for both
+    PP stages; the core's handshake bound fails both in one Tick, each deriving EngineFailed for
+    it. The first released it (nothing to read); the second, derived before that, reached the
+    released request and was rejected as a local violation (strict mode raised)."""
+    _, message = replay_choices(steps, scenario, None, strict=True)
+    assert message == "", message
