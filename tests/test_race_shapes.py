@@ -290,3 +290,17 @@ def test_a_notify_only_pp_request_released_by_one_stage_ignores_the_other_stages
     released request and was rejected as a local violation (strict mode raised)."""
     _, message = replay_choices(steps, scenario, None, strict=True)
     assert message == "", message
+
+
+def test_the_world_counts_no_heartbeat_a_full_staging_may_drop() -> None:
+    """A world-model bug found by a helper's long hunts: the world's decode scheduler counted a
+    heartbeat sent before the hold registered, which the producer's staging (max_staged 3: one
+    promise at most) then dropped, as documented; the read it trusted past the real lease copied
+    reused blocks. It counts one now only where every producer rank holds the request."""
+    steps = ["prefill: p0 finishes prefill", "prefill: p1 finishes prefill", "timer: time passes to the next deadline",
+             "timer: time passes to the next deadline", "scheduler: decode heartbeats p1",
+             "scheduler: decode heartbeats p0", "prefill worker P0.0: registers p0",
+             "prefill worker P0.0: registers p1", "timer: time passes to the next deadline"]
+    _, message = replay_choices(steps, Scenario(requests=3, max_staged=3, faults=frozenset({"heartbeat", "abort"})),
+                                None, strict=True)
+    assert message == "", message

@@ -661,7 +661,11 @@ class World:
         sent it while the lease it knew of had more than the margin to run: a heartbeat that
         arrives after the lease ended extends nothing."""
         self.heartbeats += 1
-        if self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
+        # Counted only where every producer rank holds it already: one staged before its hold
+        # registers may be dropped (max_staged), and then nothing extends the lease (found by a
+        # helper's long hunts: the world read reused blocks it had wrongly trusted).
+        held = all((self.agent("P", pp, tp), self.prid(i)) in self.registered for pp, tp in self.producers)
+        if held and self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
             self.lease_seen[i] = self.now
         for name in self._names[self.s.consumer_tp:]:
             self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS))
