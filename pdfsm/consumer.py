@@ -1015,8 +1015,11 @@ TABLE: Final[Table] = Table(
             Go(S.RELEASED, _notify_only_now, when=_nothing_to_read),
             Go(S.READING, _read_now),
         ),
-        on(S.NEW, (EngineReady, EngineFailed, HandleDone, HandleFailed, DeadlinePassed, Reported, Quarantined),
-           Illegal(local, "no such request")),
+        on(S.NEW, (HandleDone, HandleFailed, DeadlinePassed, Reported, Quarantined), Illegal(local, "no such request")),
+        # As in RELEASED below, once the request's tombstone went in the same cascade (tombstones 0
+        # or 1 and two stages failing in one Tick; found by review).
+        on(S.NEW, (EngineReady, EngineFailed),
+           Ignore("stale engine news: derived before the request was released, and it is forgotten since")),
         on(S.NEW, AbortRequested, Ignore("no such request: nothing to abort")),
         # A heartbeat after the load: until when its notices are owed (the Connector sends it only
         # for a live load; a promise made before the load comes in ReadRequested).

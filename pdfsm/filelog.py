@@ -653,7 +653,8 @@ def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: in
     chains to the damaged frame (the segment's random salt keeps anyone from forging that) or
     starts at a seq that could follow the damaged frame's (``seq``): the real next frame always
     does, whatever of the damaged header was hit. While that header reads as the writer wrote it
-    (its seq the expected one, its length within the cap), as a torn last record's does, "could
+    (its seq the expected one, or zeros where a torn header's sector never landed, its length
+    within the cap), as a torn last record's does, "could
     follow" is within a few hundred seqs, the bytes between them: a peer would have to guess this
     log's seq that closely, and even then only make a torn tail read as corruption. A header that
     does not read so was itself hit: a gap frame may have gone with it, and any later seq counts.
@@ -666,7 +667,8 @@ def _damage(fd: int, path: Path, offset: int, reason: str, *, size: int, cap: in
         if fields[0] == FRAME_MARKER:
             claimed_end, link = offset + FRAME.size + fields[2], fields[1]
             follows = None if seq is None else seq + fields[3]
-            garbled = fields[7] != seq or fields[2] > cap
+            # Zeros read where a sector of a torn header never landed: not the header "hit"
+            garbled = fields[2] > cap or fields[7] not in (seq, 0)
     try:
         after = _valid_frame_after(fd, offset, size, cap, claimed_end, link, seq, follows, garbled)
     except _Unclassified:

@@ -4,9 +4,11 @@ Each test asserts what docs/embedding.md, docs/decisions.md or pdfsm/producer.py
 
 from __future__ import annotations
 
-from helpers import LeaseWorld, S
+import pytest
+from helpers import LeaseWorld, S, ev, make_core, read, tick
 
-from pdfsm.events import NotificationReceived, StagedDropped
+from pdfsm import producer
+from pdfsm.events import BlocksHeld, Heartbeat, NotificationReceived, StagedDropped
 from pdfsm.fsm import Fault
 from pdfsm.log import Record
 from pdfsm.wire import HeartbeatMessage, Notification, notify_codec
@@ -105,3 +107,33 @@ def test_heartbeats_reorder_expiry_of_many_holds_and_each_expires_once_at_its_pr
     w.now = t0 + 12 * S
     w.run(2)
     assert sorted(w.expired) == sorted(f"h{i}" for i in range(40)) == sorted(w.released)
+
+
+def test_a_staged_heartbeat_keeps_the_staging_a_lease_from_itself() -> None:
+    """Two heartbeats before the hold registers, at 0 and at 0.8 lease, each promising 5 leases;
+    the worker registers the hold at 1.2 leases. Staging ran one lease from the first heartbeat,
+    so the entry, with the second's promise, went at 1.0 and the hold got a plain lease from its
+    registration: shorter than promised, so a consumer's late read failed where it was promised to
+    succeed (found by random walks in a review). Staged until a lease after the latest heartbeat,
+    the hold keeps the promise."""
+    lease = 10**9
+    core = make_core(engine_id="P", lease_ns=lease, strict=False)
+    core.apply(ev(Heartbeat, 0, request_id="x", extend_ns=5 * lease))
+    core.apply(ev(Heartbeat, 8 * lease // 10, request_id="x", extend_ns=5 * lease))
+    tick(core, 12 * lease // 10)
+    core.apply(ev(BlocksHeld, 12 * lease // 10, request_id="x", block_ids=(1,)))
+    m = core.producers["x"]
+    assert m.state is producer.S.HOLDING and m.deadline == 8 * lease // 10 + 5 * lease
+
+
+@pytest.mark.parametrize("tombstones", [0, 1, 2])
+def test_stale_engine_news_for_a_request_forgotten_in_the_same_cascade_is_ignored(tombstones: int) -> None:
+    """Two notify-only PP 2 requests; both stages' handshakes time out in one Tick, each deriving
+    EngineFailed for both. The first releases each; with tombstones 0 or 1 the first release's
+    tombstone is gone when the second stage's news arrives, which then met a fresh machine and
+    was refused as a local violation, "no such request" (strict mode raised; found by review)."""
+    core = make_core(tombstones=tombstones, read_timeout_ns=10**9, lease_ns=10**10, handshake_timeout_ns=5 * 10**8)
+    for rid in ("r0", "r1"):
+        core.apply(read(rid, blocks=(), remote_blocks=(), remote_pp=2, lease_ns=10**10))
+    tick(core, 6 * 10**8)
+    assert not core.violations[Fault.LOCAL] and not core.consumers

@@ -247,30 +247,6 @@ def test_real_machines_hold_every_invariant(name: str) -> None:
     assert not found.found, found.message
 
 
-def test_a_hold_registered_past_its_first_heartbeats_lease_keeps_the_later_promise() -> None:
-    """Found by random walks (a helper's review): p0's prefill ends at 10; its worker registers
-    the hold only at 90. The decode scheduler heartbeats at 20 and 65, both staged on the
-    producer, and counts on the lease to 125. Staging ran one lease from the first heartbeat, so
-    at 80 the entry (and the second heartbeat's promise) went; the hold registered with its own
-    lease, long over, expired at the next tick, and the read copied reused blocks into a request
-    reported received. Staging now runs a lease from the latest heartbeat: no invariant breaks."""
-    steps = ["fault: a forged notification reaches the producer", "timer: 5 ns pass",
-             "scheduler: decode collects finished requests", "timer: 5 ns pass",
-             "scheduler: decode collects finished requests", "fault: a forged notification reaches the producer",
-             "prefill: p0 finishes prefill", "timer: 5 ns pass", "timer: 5 ns pass", "scheduler: decode heartbeats p0",
-             "timer: time passes to the next deadline", "timer: 5 ns pass", "scheduler: decode heartbeats p0",
-             "timer: time passes to the next deadline", "scheduler: decode collects finished requests",
-             "timer: time passes to the next deadline", "timer: 5 ns pass", "prefill worker P0.0: registers p0",
-             "timer: 5 ns pass"]
-    faults = frozenset({"abort", "read-err", "read-raise", "notify-drop", "notify-duplicate", "heartbeat", "forge"})
-    scenario = Scenario(requests=2, producer_tp=2, cancel_grace_ns=3, read_timeout_ns=10, faults=faults)
-    world, message = replay_choices(steps, scenario, None, strict=True)
-    assert message == "", message
-    # The staging deadline (the next due timer) is now the latest heartbeat's lease: time jumps past
-    # the promise, and r0, asked after it, fails untrusted instead of reading reused blocks.
-    assert world.hand_offs[(0, "r0")][0].outcome == "failed", world.hand_offs
-
-
 @pytest.mark.parametrize(("scenario", "steps"), [
     (Scenario(requests=2, producer_pp=2, notify_only=(1,), faults=frozenset()),
      ["prefill: p0 finishes prefill", "scheduler: D0 asks to read r0", "timer: time passes to the next deadline",

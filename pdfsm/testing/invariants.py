@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pdfsm import consumer, engine
 from pdfsm.events import HandshakeFailed
 from pdfsm.fsm import Fault
+from pdfsm.records import Outcome
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -198,16 +199,17 @@ def stopped_requests_told_every_rank(w: World) -> None:
     producer still held for it told every producer rank it reads or skips (MLA) that it is done,
     or tried to: a rank not told keeps the blocks a whole lease (vLLM PR 41269). Checked where the
     world broke no connection, for stages connected at some moment between the stop and the end of
-    the lease the scheduler knew of, less the margin, and whose handshakes never failed (a stage not
-    reached by then, or whose handshake failed with notices owed to it, may rightly not be told:
-    docs/decisions.md), and where no stage's list of owed notices can fill (``max_staged`` at
-    least one per request and producer TP rank: a notice past it is not kept)."""
+    the lease the scheduler knew of, less the margin, and whose handshakes did not fail before that
+    bound (a stage not reached by then, or failed when the request stopped or while notices were
+    owed to it, may rightly not be told: docs/decisions.md), and where no stage's list of owed
+    notices can fill (``max_staged`` at least one per request and producer TP rank: a notice past
+    it is not kept)."""
     if (w.restarts or w.disconnects or w.link_drops or w.handshake_faults or "evict" in w.faults_used
             or w.s.max_staged < w.s.requests * w.s.producer_tp):
         return
     records = w.records()
-    failed = {(int(name[1:]), getattr(r.event, "pp_rank", -1)) for name, recs in records.items()
-              if name.startswith("D") for r in recs if isinstance(r.event, HandshakeFailed)}
+    failed = {(int(name[1:]), pp): times for name, recs in records.items() if name.startswith("D")
+              for pp, times in _handshake_failures(recs).items()}
     for (rank, rid), at in sorted(w.stopped_at.items()):
         by = w.tell_by[(rank, rid)]
         if at >= by:
@@ -216,10 +218,23 @@ def stopped_requests_told_every_rank(w: World) -> None:
         plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         untold = [(pp, tp) for pp, tp in ranks if (rank, w.prid(i), pp, tp) not in w.told
-                  and (rank, pp) not in failed and _connected_between(records[f"D{rank}"], pp, at, by)]
+                  and not any(t <= by for t in failed.get((rank, pp), ()))
+                  and _connected_between(records[f"D{rank}"], pp, at, by)]
         if untold:
             w.fail(f"D{rank} stopped {rid} at {at} ns, before its producer's lease ran out, and never told "
                    f"producer ranks {untold}: they hold its blocks a whole lease")
+
+
+def _handshake_failures(records: list[Record]) -> dict[int, list[int]]:
+    """When each engine stage's handshakes failed (applied, on the core's clock): a failure drops
+    the notices owed to that stage (docs/decisions.md)."""
+    out: dict[int, list[int]] = {}
+    t = 0
+    for r in records:
+        t = max(t, r.event.t_ns)
+        if isinstance(r.event, HandshakeFailed) and r.outcome is Outcome.APPLIED:
+            out.setdefault(r.event.pp_rank, []).append(t)
+    return out
 
 
 def _connected_between(records: list[Record], pp: int, lo: int, hi: int) -> bool:
