@@ -582,6 +582,19 @@ def _may_owe(req: ReadRequested) -> bool:
     return req.lease_ns > 0 and not stageless
 
 
+def cancel_reads_over(e: RemoteEngine, core: Core) -> None:
+    """Cancel the reads still running over ``e``'s connection, taken as lost while held (stalled):
+    its peer is dropped as the next handshake starts, and a read nobody cancelled would go on
+    writing blocks nobody watches, its request then telling the old hold's ranks over the new
+    connection (found by a helper's long random walks). Each request fails as its reads end."""
+    for m in core.consumers.values():
+        plan = m.plan
+        if m.state is S.READING and plan is not None and e in m.engines and _read_over(m, e) == e.attempt:
+            for i, src in enumerate(plan.sources):
+                if (m.pending >> i) & 1 and src.pp_rank == e.pp_rank:
+                    core.emit(CancelRead(request_id=m.request_id, pp_rank=src.pp_rank, tp_rank=src.tp_rank))
+
+
 def send_owed(e: RemoteEngine, core: Core, t_ns: int, replaced: set[int]) -> None:
     """The notices owed to ``e``'s ranks by requests that stopped while it handshook, now that it
     is connected: not once their lease is over, nor when their params contradict its reply or a

@@ -504,6 +504,10 @@ class Core:
             self.idle.disarm(f"{e.pp_rank}:{e.engine_id}", e.idle_at)
             e.idle_at = None
 
+    def cancel_reads_over(self, e: engine.RemoteEngine) -> None:
+        """``e`` is taken as lost while held: cancel the reads still running over it."""
+        consumer.cancel_reads_over(e, self)
+
     def send_owed(self, e: engine.RemoteEngine, t_ns: int, replaced: set[int]) -> None:
         """``e`` connected: send the notices requests that stopped meanwhile owe its ranks."""
         consumer.send_owed(e, self, t_ns, replaced)

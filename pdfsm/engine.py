@@ -417,6 +417,13 @@ def _lost(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) ->
     core.engine_idle(m, ev.t_ns)
 
 
+def _lost_stalled(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
+    """Taken as lost while held: the reads still running over it are cancelled first, so the drop
+    the next handshake pays falls under cancelled reads only (transports.md's contract)."""
+    core.cancel_reads_over(m)
+    _lost(m, ev, core)
+
+
 def pay_drop(m: RemoteEngine, core: Core) -> None:
     """Drop the peer of a connection lost while held (_lost), if that drop is still owed."""
     if m.drop_owed:
@@ -495,7 +502,7 @@ TABLE: Final[Table] = Table(
             EvictRequested,
             # A stalled stage's readers may never let go (a process stopped for good): owing the
             # eviction to them would lock a replacement under the same engine id out.
-            Go(S.DISCONNECTED, _lost, when=_stalled_and_held,
+            Go(S.DISCONNECTED, _lost_stalled, when=_stalled_and_held,
                reason="stalled, and its reads may never stop: taken as lost, dropped with its last reader"),
             Go(S.CONNECTED, _owe_eviction, when=_transfers_in_flight,
                reason="a request still holds it (reading, or about to): evicted when the last one lets go"),

@@ -282,14 +282,13 @@ def test_the_world_counts_no_heartbeat_a_full_staging_may_drop() -> None:
     assert message == "", message
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, not fixed yet (docs/decisions.md, 'A cancel that does not "
-                                       "land marks the engine stalled', known limits)")
 def test_a_stalled_stage_taken_as_lost_drops_its_peer_only_under_cancelled_reads() -> None:
     """Found by a helper's long random walks: r0's read fails and its sibling is cancelled; r1
     posts two healthy reads on the same connection; r0's grace passes with the cancelled read
     still running, so the stage is marked stalled; an eviction (idle here, in production a
     replacement producer's contradicting params) takes it as lost with readers, owing the drop;
-    r2's handshake pays it, dropping the peer under r1's reads, which nobody cancelled."""
+    r2's handshake paid it, dropping the peer under r1's reads, which nobody cancelled. Taken as
+    lost, the stage now has its remaining reads cancelled first (their requests fail as they end)."""
     steps = ["prefill: p0 finishes prefill", "scheduler: D0 asks to read r0", "prefill: p1 finishes prefill",
              "handshake: D0 gets the answer for (P, pp 0) #1", "transfer: D0 read of r0 from (0, 1) ends err",
              "scheduler: D0 asks to read r1", "timer: time passes to the next deadline",
