@@ -1029,10 +1029,6 @@ TABLE: Final[Table] = Table(
             Go(S.READING, _read_now),
         ),
         on(S.NEW, (HandleDone, HandleFailed, DeadlinePassed, Reported, Quarantined), Illegal(local, "no such request")),
-        # As in RELEASED below, once the request's tombstone went in the same cascade (tombstones 0
-        # or 1 and two stages failing in one Tick; found by review).
-        on(S.NEW, (EngineReady, EngineFailed),
-           Ignore("stale engine news: derived before the request was released, and it is forgotten since")),
         on(S.NEW, AbortRequested, Ignore("no such request: nothing to abort")),
         # A heartbeat after the load: until when its notices are owed (the Connector sends it only
         # for a live load; a promise made before the load comes in ReadRequested).
@@ -1089,8 +1085,8 @@ TABLE: Final[Table] = Table(
         # Only derived news names a request, and a request leaves every waiting list as it stops:
         # news after its release was derived before, in the cascade a sibling stage's news released
         # it in (a notify-only PP request whose two stages timed out in one Tick: a local violation,
-        # found by a helper's long hunts).
-        on(S.RELEASED, (EngineReady, EngineFailed),
+        # found by a helper's long hunts), its tombstone maybe gone since (NEW: tombstones 0 or 1).
+        on((S.NEW, S.RELEASED), (EngineReady, EngineFailed),
            Ignore("stale engine news: derived before a sibling stage's news released the request")),
         # READING: the multi-handle join.
         on(

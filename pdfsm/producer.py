@@ -227,9 +227,14 @@ def _hold_staged(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
 def _keep_promise(m: ProducerRequest, core: Core) -> None:
     """An early heartbeat promised the lease longer than its deadline now: keep that promise."""
     if m.extended_to is not None and m.extended_to > m.deadline:
-        core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = m.extended_to
-        core.leases.arm(m.request_id, m.deadline)
+        _move_deadline(m, m.extended_to, core)
+
+
+def _move_deadline(m: ProducerRequest, deadline: int, core: Core) -> None:
+    """The hold's lease, or its staging, now ends at ``deadline``."""
+    core.leases.disarm(m.request_id, m.deadline)
+    m.deadline = deadline
+    core.leases.arm(m.request_id, deadline)
 
 
 def _release(m: ProducerRequest, expired: bool, t_ns: int, core: Core) -> None:
@@ -282,15 +287,14 @@ def _restage(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     _uncount(m)
     m.issued = 0
     m.read_noticed = False
-    core.leases.disarm(m.request_id, m.deadline)
-    m.deadline = max(m.deadline, ev.t_ns + core.lease_ns)
-    core.leases.arm(m.request_id, m.deadline)
+    _move_deadline(m, max(m.deadline, ev.t_ns + core.lease_ns), core)
     _count_staged(m, ev, core)
 
 
 def _stage_heartbeat(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     """A heartbeat before registration (like an early notification): remember its promise, kept
-    by the lease once the hold registers; staged one lease, as a notification."""
+    by the lease once the hold registers; staged one lease, as a notification (from the latest
+    heartbeat: _extend_staged)."""
     m.t_start = ev.t_ns
     m.extended_to = ev.t_ns + ev.extend_ns
     m.promised_for = ev.issued_wall_ns
@@ -306,19 +310,15 @@ def _extend_staged(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     """Promises of one hold merge; of two holds of a reused id, only the later hold's stands (its
     hold is the one to come: a late heartbeat of the earlier one must not pin it for an hour)."""
     promised = ev.t_ns + ev.extend_ns
+    # Staged a lease from the latest news of the hold: counted from the first heartbeat, a hold
+    # registering later lost the later ones' promise and expired at once (found by a review).
+    staged_until = max(m.deadline, ev.t_ns + core.lease_ns)
     if _apart(m.promised_for, ev.issued_wall_ns, core):
         if ev.issued_wall_ns < m.promised_for:
             return
         m.extended_to = None
-        core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = ev.t_ns + core.lease_ns  # the later hold's staging time
-        core.leases.arm(m.request_id, m.deadline)
-    else:  # staged one lease from the latest news of the hold: a hold registering later than a
-        # lease after the first heartbeat lost the later ones' promise, which its consumer counted
-        # on, expired at once and was read reused (found by a helper's review, the race tester)
-        core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = max(m.deadline, ev.t_ns + core.lease_ns)
-        core.leases.arm(m.request_id, m.deadline)
+        staged_until = ev.t_ns + core.lease_ns  # the later hold's staging time
+    _move_deadline(m, staged_until, core)
     m.extended_to = promised if m.extended_to is None else max(m.extended_to, promised)
     m.promised_for = max(m.promised_for, ev.issued_wall_ns)  # the latest hold said (0: none)
     core.promise(m, ev.t_ns)
@@ -339,9 +339,7 @@ def _count_and_release(m: ProducerRequest, ev: NotificationReceived, core: Core)
 def _extend(m: ProducerRequest, ev: Heartbeat, core: Core) -> None:
     deadline = ev.t_ns + ev.extend_ns  # rebased: the extension runs from our own arrival time
     if deadline > m.deadline:
-        core.leases.disarm(m.request_id, m.deadline)
-        m.deadline = deadline
-        core.leases.arm(m.request_id, deadline)
+        _move_deadline(m, deadline, core)
 
 
 def _expire(m: ProducerRequest, ev: LeaseExpired, core: Core) -> None:

@@ -16,7 +16,7 @@ from pdfsm.fsm import Fault
 from pdfsm.records import Outcome
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from pdfsm.records import Record
     from pdfsm.testing.world import World
@@ -208,8 +208,8 @@ def stopped_requests_told_every_rank(w: World) -> None:
             or w.s.max_staged < w.s.requests * w.s.producer_tp):
         return
     records = w.records()
-    failed = {(int(name[1:]), pp): times for name, recs in records.items() if name.startswith("D")
-              for pp, times in _handshake_failures(recs).items()}
+    failed = {(int(name[1:]), pp): t for name, recs in records.items() if name.startswith("D")
+              for pp, t in _first_handshake_failures(recs).items()}
     for (rank, rid), at in sorted(w.stopped_at.items()):
         by = w.tell_by[(rank, rid)]
         if at >= by:
@@ -218,32 +218,36 @@ def stopped_requests_told_every_rank(w: World) -> None:
         plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         untold = [(pp, tp) for pp, tp in ranks if (rank, w.prid(i), pp, tp) not in w.told
-                  and not any(t <= by for t in failed.get((rank, pp), ()))
+                  and failed.get((rank, pp), by + 1) > by
                   and _connected_between(records[f"D{rank}"], pp, at, by)]
         if untold:
             w.fail(f"D{rank} stopped {rid} at {at} ns, before its producer's lease ran out, and never told "
                    f"producer ranks {untold}: they hold its blocks a whole lease")
 
 
-def _handshake_failures(records: list[Record]) -> dict[int, list[int]]:
-    """When each engine stage's handshakes failed (applied, on the core's clock): a failure drops
-    the notices owed to that stage (docs/decisions.md)."""
-    out: dict[int, list[int]] = {}
+def _applied_at(records: list[Record]) -> Iterator[tuple[int, Record]]:
+    """Each record with when it took effect, on its core's clock: an event stamped before the
+    latest one applied takes effect at that."""
     t = 0
     for r in records:
         t = max(t, r.event.t_ns)
+        yield t, r
+
+
+def _first_handshake_failures(records: list[Record]) -> dict[int, int]:
+    """When each engine stage's handshake first failed: a failure drops the notices owed to that
+    stage, and a stage failed as a request stops is owed none (docs/decisions.md)."""
+    out: dict[int, int] = {}
+    for t, r in _applied_at(records):
         if isinstance(r.event, HandshakeFailed) and r.outcome is Outcome.APPLIED:
-            out.setdefault(r.event.pp_rank, []).append(t)
+            out.setdefault(r.event.pp_rank, t)
     return out
 
 
 def _connected_between(records: list[Record], pp: int, lo: int, hi: int) -> bool:
-    """The consumer's engine stage ``pp`` was connected at some moment in [lo, hi) (core ns), on
-    the core's clock: an event stamped before the latest applied one takes effect at that."""
+    """The consumer's engine stage ``pp`` was connected at some moment in [lo, hi) (core ns)."""
     since: int | None = None  # connected from then on
-    t = 0
-    for r in records:
-        t = max(t, r.event.t_ns)
+    for t, r in _applied_at(records):
         if r.machine != "engine" or getattr(r.event, "pp_rank", None) != pp:
             continue
         if since is not None and t > lo and since < hi:
