@@ -63,12 +63,12 @@ from pdfsm.events import (
 )
 from pdfsm.filelog import LogReader, crc32c, encode_frame
 from pdfsm.filesink import BATCH_RECORDS, FileSink, FsyncPolicy
-from pdfsm.log import EventLog, MemorySink, Record, Row
+from pdfsm.log import EventLog, MemorySink, Record
 
 _LEN = struct.Struct("<I")
 
 
-def make_rows(n: int) -> list[Row]:
+def make_rows(n: int) -> list[Record]:
     """At least ``n`` rows from a core driven through mixed request lifecycles."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sink = MemorySink()
@@ -126,8 +126,8 @@ def make_rows(n: int) -> list[Row]:
             core.submit(Tick(source="timer", t_ns=t + 30))
         core.pump()
     log.close()
-    assert not any(row[7] for row in sink.rows), "the workload must record no violation"
-    return sink.rows[:n]
+    assert not any(r.fault for r in sink.records), "the workload must record no violation"
+    return sink.records[:n]
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -138,7 +138,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def base_append(path: Path, batches: list[list[Row]], interval_ns: int | None, chunk: int) -> None:
+def base_append(path: Path, batches: list[list[Record]], interval_ns: int | None, chunk: int) -> None:
     encode = msgspec.msgpack.Encoder().encode
     pack = _LEN.pack
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -168,7 +168,7 @@ def base_replay(path: Path) -> int:
 
 
 def pdfsm_append(
-    path: Path, batches: list[list[Row]], policy: FsyncPolicy
+    path: Path, batches: list[list[Record]], policy: FsyncPolicy
 ) -> tuple[FileSink, tuple[float, float], float]:
     """The sink, (wall, CPU) seconds until close returned, and the owner's time handing batches over."""
     sink = FileSink(path, fsync=policy)
@@ -192,27 +192,27 @@ def pdfsm_replay(path: Path) -> int:
 _REC_HEAD = struct.Struct("<IIQHqq")  # length, crc, seq, schema, wall, mono: a per-record frame
 
 
-def per_record_frames(rows: list[Row]) -> bytes:
+def per_record_frames(rows: list[Record]) -> bytes:
     """The rejected design: each record framed and CRC-chained on its own (for the comparison)."""
     encode, prev = msgspec.msgpack.Encoder().encode, 0
     out: list[bytes] = []
     wall, mono = time.time_ns(), time.monotonic_ns()
     for row in rows:
         payload = encode(row)
-        head = _REC_HEAD.pack(len(payload), 0, row[0], 1, wall, mono)
+        head = _REC_HEAD.pack(len(payload), 0, row.seq, 1, wall, mono)
         prev = crc32c(payload, crc32c(head, prev))
         out += (prev.to_bytes(4, "little"), head, payload)
     return b"".join(out)
 
 
-def batch_frames(rows: list[Row]) -> bytes:
+def batch_frames(rows: list[Record]) -> bytes:
     """What pdfsm's writer does per frame, minus the thread and the file: encode, frame, CRC."""
     encode, prev = msgspec.msgpack.Encoder().encode, 0
     out: list[bytes] = []
     for i in range(0, len(rows), BATCH_RECORDS):
         chunk = rows[i:i + BATCH_RECORDS]
         payload = encode(chunk)
-        head, prev = encode_frame(payload, len(chunk), chunk[0][0], prev, wall_ns=time.time_ns(),
+        head, prev = encode_frame(payload, len(chunk), chunk[0].seq, prev, wall_ns=time.time_ns(),
                                   mono_ns=time.monotonic_ns())
         out += (head, payload)
     return b"".join(out)

@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from typing import Any, Final, final
+from typing import Any, Final, cast, final
 
 import structlog
 
@@ -58,12 +58,12 @@ from pdfsm.events import (
 )
 from pdfsm.fsm import Fault, Go, Guard, Ignore, Option, State, Table
 from pdfsm.log import EventLog, Outcome, Record
+from pdfsm.records import Tombstone
 from pdfsm.timers import Timers
 from pdfsm.topology import Layout, ReadPlan, read_plan
 
 __all__ = ["Core", "Tables"]
 
-APPLIED, IGNORED, REJECTED = int(Outcome.APPLIED), int(Outcome.IGNORED), int(Outcome.REJECTED)
 
 # Terminal states remembered (by key, state only, bounded) so late news is classified rather
 # than mistaken for a new request. DISCARDED producers and EVICTED engines are forgotten:
@@ -88,8 +88,8 @@ class Tables:
 
 
 # A table option compiled for the apply loop. ``dst`` is the state after (the same for an ignore
-# or an illegal event), ``before`` and ``after`` are state names; ``fault`` is None or (Fault
-# value, explain); ``end`` says what becomes of the machine: LIVES (a transition to a live state:
+# or an illegal event), ``before`` and ``after`` are state names; ``fault`` is None or (Fault,
+# explain); ``end`` says what becomes of the machine: LIVES (a transition to a live state:
 # kept), ENDS (to a terminal state: forgotten), REMEMBERS (to a remembered terminal state: kept as
 # a tombstone) or STAYS (ignored or illegal: untouched). Plain classes, not tuples: compiled
 # (setup.py), a field is one load where a tuple's unpack checks and counts every item.
@@ -97,8 +97,8 @@ class Tables:
 class Step:
     __slots__ = ("action", "after", "before", "dst", "end", "fault", "outcome", "reason")
 
-    def __init__(self, action: Any, dst: State, before: str, after: str, outcome: int, reason: str,
-                 fault: tuple[str, Any] | None, end: int) -> None:
+    def __init__(self, action: Any, dst: State, before: str, after: str, outcome: Outcome, reason: str,
+                 fault: tuple[Fault, Any] | None, end: int) -> None:
         self.action, self.dst, self.before, self.after = action, dst, before, after
         self.outcome, self.reason, self.fault, self.end = outcome, reason, fault, end
 
@@ -132,12 +132,12 @@ _CORE_ROUTE: Final = Route({}, {}, False, "core", None, {}, CORE)
 
 
 def _step(state: State, opt: Option) -> Step:
-    fault = None if opt.fault is None else (opt.fault.value, getattr(opt, "explain", None))
+    fault = None if opt.fault is None else (opt.fault, getattr(opt, "explain", None))
     if isinstance(opt, Go):
         dst = opt.dst
         end = (REMEMBERS if dst in REMEMBERED else ENDS) if dst.terminal else LIVES
-        return Step(opt.action, dst, state.name, dst.name, APPLIED, opt.reason if fault else "", fault, end)
-    outcome = IGNORED if isinstance(opt, Ignore) else REJECTED
+        return Step(opt.action, dst, state.name, dst.name, Outcome.APPLIED, opt.reason if fault else "", fault, end)
+    outcome = Outcome.IGNORED if isinstance(opt, Ignore) else Outcome.REJECTED
     return Step(None, state, state.name, state.name, outcome, opt.reason, fault, STAYS)
 
 
@@ -194,8 +194,7 @@ class Core:
         # deque to drop the oldest (dropping a dict's first key after many deletions is O(n), and an
         # OrderedDict's bookkeeping costs more than this on the hot path).
         self._remembered: Final[dict[int, dict[Any, State]]] = {CONSUMER: {}, PRODUCER: {}, ENGINE: {}}
-        # (time, kind, key): atoms only, so the garbage collector untracks each entry after one look.
-        self._remembered_order: Final[deque[tuple[int, int, Any]]] = deque()
+        self._remembered_order: Final[deque[Tombstone]] = deque()
         # Consumer requests to hand back at the next Collect, in order (always this one dict).
         self.ready_ids: Final[dict[str, None]] = {}
         self._staged: OrderedDict[str, None] = OrderedDict()  # early notifications only
@@ -360,32 +359,32 @@ class Core:
                             route.remembered[key] = dst
                             order = self._remembered_order
                             t = ev.t_ns
-                            order.append((t, route.target, key))
+                            order.append(Tombstone(t, route.target, key))
                             # Bounded by count and by age, so memory is flat in a long run at any rate.
-                            while order and (len(order) > self._tombstones or order[0][0] < t - self._tombstone_ns):
-                                _, old, old_key = order.popleft()
-                                self._remembered[old].pop(old_key, None)
+                            while order and (len(order) > self._tombstones or order[0].t_ns < t - self._tombstone_ns):
+                                old = order.popleft()
+                                self._remembered[old.target].pop(old.key, None)
                     if fault is None:
-                        row = (seq, ev, name, before, after, outcome, reason, None, cause)
+                        rec = Record(seq, cast(Any, ev), name, before, after, outcome, reason, None, cause)
                         seq += 1
-                        window_append(row)
+                        window_append(rec)
                         if unsunk_append is not None:
-                            unsunk_append(row)
+                            unsunk_append(rec)
                     else:
                         blame, explain = fault
                         if explain is not None:  # a fault-handling transition says what went wrong
                             reason = explain(m, ev, self)
-                        frow = (seq, ev, name, before, after, outcome, reason, blame, cause)
+                        frec = Record(seq, cast(Any, ev), name, before, after, outcome, reason, blame, cause)
                         seq += 1
                         log.next_seq = seq
-                        window_append(frow)
+                        window_append(frec)
                         if unsunk_append is not None:
-                            unsunk_append(frow)
-                        self._violation(frow, route.target, key, m if stored else None)
+                            unsunk_append(frec)
+                        self._violation(frec, route.target, key, m if stored else None)
                     if debug:
                         self._logger.debug("transition", seq=seq - 1, machine=name, key=key,
                                            event_type=type(ev).__name__, before=before, after=after,
-                                           outcome=Outcome(outcome).name, reason=reason or None, cause=cause)
+                                           outcome=outcome.name, reason=reason or None, cause=cause)
                 if derived and cause is None:
                     log.next_seq = seq
                     try:
@@ -423,10 +422,10 @@ class Core:
             reason, fault = f"inbox full: {ev.count} events refused", Fault.LOCAL
         elif isinstance(ev, SendFailed):
             reason = f"could not tell {ev.engine_id} ({ev.pp_rank}, {ev.tp_rank}) about {ev.request_id}: {ev.error}"
-        row = self.log.append(ev, "core", "-", "-", outcome, reason, fault, cause)
+        rec = self.log.append(ev, "core", "-", "-", outcome, reason, fault, cause)
         if fault is not None:
-            self._violation(row, 0, None, None)
-        return row[0]
+            self._violation(rec, 0, None, None)
+        return rec.seq
 
     def _expire(self, now: int) -> None:
         for _, key in self.deadlines.due(now):
@@ -467,8 +466,7 @@ class Core:
 
     # --- violations -----------------------------------------------------------------------------
 
-    def _violation(self, row: tuple[Any, ...], target: int, key: Any, live: Any) -> None:
-        rec = Record.of(row)
+    def _violation(self, rec: Record, target: int, key: Any, live: Any) -> None:
         assert rec.fault is not None
         self.violations[rec.fault] += 1
         self._logger.error("violation", seq=rec.seq, fault=rec.fault.value, machine=rec.machine, key=key,

@@ -33,8 +33,8 @@ such file). A segment is a header followed by frames::
      48   L  payload      msgpack array of ``count`` rows; a gap frame: msgpack map {"reason": str}
 
 A row is ``[seq, event, machine, before, state, outcome, reason, fault, cause]``
-(:data:`pdfsm.log.Row`), the event a msgpack array: its class name, then its
-fields (schema 1 wrote a map with the class under ``"type"``; an upcaster reads
+(a :class:`pdfsm.log.Record` as msgspec encodes it), the event a msgpack array:
+its class name, then its fields (schema 1 wrote a map with the class under ``"type"``; an upcaster reads
 it). Each record is individually framed by the msgpack array element it is,
 starts with its own seq (checked against ``base_seq + i``) and names its event
 type; the length, CRC, schema version and write times are
@@ -74,7 +74,7 @@ import msgspec
 
 from pdfsm.errors import PdfsmError
 from pdfsm.events import ALL_EVENTS
-from pdfsm.log import Record, Row
+from pdfsm.log import Record
 
 __all__ = [
     "CRC_IMPL",
@@ -390,7 +390,7 @@ def encode_frame(
 
 def write_segment(
     path: str | os.PathLike[str],
-    rows: Sequence[Row],
+    rows: Sequence[Record],
     *,
     salt: bytes,
     meta: Mapping[str, Any],
@@ -401,13 +401,13 @@ def write_segment(
 ) -> None:
     """Write one complete segment synchronously with fixed salt and times (golden files, tools)."""
     encode = msgspec.msgpack.Encoder().encode
-    start = rows[0][0] if rows else (start_seq or 0)
+    start = rows[0].seq if rows else (start_seq or 0)
     header, prev = encode_header(start, salt, meta)
     parts = [header]
     for i in range(0, len(rows), batch_records):
         chunk = list(rows[i:i + batch_records])
         payload = encode(chunk)
-        head, prev = encode_frame(payload, len(chunk), chunk[0][0], prev, wall_ns=wall_ns, mono_ns=mono_ns)
+        head, prev = encode_frame(payload, len(chunk), chunk[0].seq, prev, wall_ns=wall_ns, mono_ns=mono_ns)
         parts += (head, payload)
     with open(path, "wb") as f:
         f.write(b"".join(parts))

@@ -49,7 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from operator import itemgetter
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -70,7 +70,7 @@ from pdfsm.filelog import (
     segment_paths,
     segment_start,
 )
-from pdfsm.log import Overflow, Row
+from pdfsm.log import Overflow, Record
 
 __all__ = ["BATCH_RECORDS", "FileSink", "FsyncPolicy"]
 
@@ -81,7 +81,7 @@ smaller ones pay the per-frame Python overhead (about 3 us) on too few records."
 
 _IOV_MAX: Final = 512  # iovecs per writev, under every platform's IOV_MAX
 _FLUSH_BYTES: Final = 1 << 20  # write out at least this often: big writes stall on dirty-page throttling
-_seq_of: Final = itemgetter(0)
+_seq_of: Final = attrgetter("seq")
 
 
 _MAX_INTERVAL_MS: Final = 86_400_000.0
@@ -210,7 +210,7 @@ class FileSink:
             self.lost = 0
             # shared, under _cond
             self._cond = threading.Condition()
-            self._queue: deque[list[Row] | _Lost] = deque()
+            self._queue: deque[list[Record] | _Lost] = deque()
             self._queued = 0
             self._blocked = 0
             self._closing = False
@@ -242,7 +242,7 @@ class FileSink:
 
     # --- owner thread ---------------------------------------------------------------------------
 
-    def write(self, rows: Sequence[Row]) -> None:
+    def write(self, rows: Sequence[Record]) -> None:
         """Hand a batch over to the writer thread. Raises if the writer failed or was closed,
         having taken none of the batch (the log hands it again at its next flush)."""
         n = len(rows)
@@ -250,9 +250,9 @@ class FileSink:
             return
         if self._error is not None or self._closing:
             self._raise()
-        first = rows[0][0]
+        first = rows[0].seq
         if first != self._next_in or list(map(_seq_of, rows)) != list(range(first, first + n)):  # in C: ~10 ns a row
-            raise LogWriteError(f"rows {first}..{rows[-1][0]} do not continue the log at seq {self._next_in} "
+            raise LogWriteError(f"rows {first}..{rows[-1].seq} do not continue the log at seq {self._next_in} "
                                 "one by one", path=self.directory)
         batch = list(rows)
         cond = self._cond
@@ -389,8 +389,8 @@ class FileSink:
                 os.close(self._lock)
                 return
 
-    def _write(self, items: list[list[Row] | _Lost]) -> None:
-        run: list[Row] = []
+    def _write(self, items: list[list[Record] | _Lost]) -> None:
+        run: list[Record] = []
         for item in items:
             if isinstance(item, _Lost):
                 self._add_rows(run)
@@ -403,7 +403,7 @@ class FileSink:
         self._add_rows(run)
         self._flush()
 
-    def _add_rows(self, rows: list[Row]) -> None:
+    def _add_rows(self, rows: list[Record]) -> None:
         size = self.batch_records
         if len(rows) <= size:
             if rows:
@@ -412,7 +412,7 @@ class FileSink:
         for i in range(0, len(rows), size):
             self._add_chunk(rows[i:i + size])
 
-    def _add_chunk(self, chunk: list[Row]) -> None:
+    def _add_chunk(self, chunk: list[Record]) -> None:
         """One frame for the chunk; halves when it is over the cap or a record of it does not
         encode; a gap that says why for a single such record (never a dead writer)."""
         try:
@@ -421,11 +421,11 @@ class FileSink:
             why = f"record does not encode: {type(exc).__name__}: {exc}"
         else:
             if len(payload) + FRAME.size <= self.max_frame_bytes:
-                self._add_frame(payload, len(chunk), chunk[0][0], 0)
+                self._add_frame(payload, len(chunk), chunk[0].seq, 0)
                 return
             why = f"record encodes to {len(payload)} bytes, over the frame cap"
         if len(chunk) == 1:
-            self._add_gap(chunk[0][0], 1, why)
+            self._add_gap(chunk[0].seq, 1, why)
             return
         half = len(chunk) // 2
         self._add_chunk(chunk[:half])

@@ -16,9 +16,8 @@ Two halves, one object:
   durable file log plugs in there) when the owner flushes after a batch. With
   no sink, records older than the window are counted as ``evicted``.
 
-A record is kept as a plain tuple in :data:`Row` order (building one costs a
-quarter of a Struct's), and read back as a typed :class:`Record`; msgspec
-encodes both identically (an array), so the file log writes rows as they are.
+A record is a :class:`Record` from the moment it is made (untracked by the
+garbage collector: see its docstring); the file log writes them as they are.
 """
 
 from __future__ import annotations
@@ -29,14 +28,14 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final, cast
 
 from pdfsm.errors import InvalidInput
 from pdfsm.events import Event
 from pdfsm.fsm import Fault
-from pdfsm.records import MemorySink, Outcome, Record, Row, Sink
+from pdfsm.records import MemorySink, Outcome, Record, Sink
 
-__all__ = ["EventLog", "MemorySink", "Outcome", "Overflow", "Record", "Row", "Sink"]
+__all__ = ["EventLog", "MemorySink", "Outcome", "Overflow", "Record", "Sink"]
 
 _NONE: Final[Mapping[str, int]] = MappingProxyType({})
 
@@ -62,12 +61,12 @@ class EventLog:
         if window < 1 or inbox_limit < 1:
             raise ValueError("window and inbox_limit must be positive")
         self.inbox: Final[deque[Event]] = deque()
-        self.window: Final[deque[Row]] = deque(maxlen=window)
+        self.window: Final[deque[Record]] = deque(maxlen=window)
         self.sink: Final = sink
         self.inbox_limit: Final = inbox_limit
         self.overflow: Final = overflow
         self.next_seq = 0
-        self.unsunk: Final[list[Row]] = []  # rows not yet handed to the sink; always this one list
+        self.unsunk: Final[list[Record]] = []  # records not yet handed to the sink; always this one list
         self._room = threading.Condition()
         self._waiting = 0
         self._owner_waits = 0  # owner_waiting() depth: BLOCK submitters do not wait then
@@ -127,7 +126,7 @@ class EventLog:
                 self._owner_waits -= 1
 
     # --- owner thread ---------------------------------------------------------------------------
-    # The core, the log's single writer, appends rows inline on its hot path (a method call
+    # The core, the log's single writer, appends records inline on its hot path (a method call
     # here would cost as much as the rest of the append); this is the same append, spelt out.
 
     def append(
@@ -140,16 +139,16 @@ class EventLog:
         reason: str = "",
         fault: Fault | None = None,
         cause: int | None = None,
-    ) -> Row:
+    ) -> Record:
         """Assign the next sequence number and keep the record. Owner thread only."""
         seq = self.next_seq
         self.next_seq = seq + 1
-        row: Row = (seq, event, machine, before, state, int(outcome), reason,
-                    None if fault is None else fault.value, cause)
-        self.window.append(row)
+        # Record.event is typed as the decoder's union of event classes; any event is recorded.
+        rec = Record(seq, cast(Any, event), machine, before, state, outcome, reason, fault, cause)
+        self.window.append(rec)
         if self.sink is not None:
-            self.unsunk.append(row)
-        return row
+            self.unsunk.append(rec)
+        return rec
 
     def take_dropped(self) -> Mapping[str, int]:
         """Counts of events refused since the last call (COUNT policy). Owner thread only."""
@@ -160,10 +159,10 @@ class EventLog:
         return dropped
 
     def flush(self) -> None:
-        """Hand recorded rows to the sink and wake producers waiting for room."""
+        """Hand the records made since to the sink and wake producers waiting for room."""
         if self.unsunk and self.sink is not None:
             batch = self.unsunk[:]
-            self.sink.write(batch)  # if it raises, the rows stay and go again at the next flush
+            self.sink.write(batch)  # if it raises, the records stay and go again at the next flush
             del self.unsunk[:len(batch)]  # in place: the core holds its append method
         if self._waiting:
             with self._room:
@@ -187,7 +186,7 @@ class EventLog:
 
     def records(self) -> list[Record]:
         """The records still in the in-memory window, oldest first."""
-        return [Record.of(row) for row in tuple(self.window)]
+        return list(self.window)
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self.records())

@@ -1,7 +1,6 @@
-"""What the log keeps: a record per applied, ignored or rejected event, stored as a plain
-:data:`Row` and read back as a typed :class:`Record`; and where records go besides the window
-(a :class:`Sink`). Apart from :mod:`pdfsm.log` so that it may be compiled (setup.py): mypyc
-would drop a Struct's class keywords (``frozen``, ``array_like``)."""
+"""What the log keeps: a :class:`Record` per applied, ignored or rejected event; and where
+records go besides the window (a :class:`Sink`). Apart from :mod:`pdfsm.log` so that the log may
+be compiled (setup.py): mypyc would drop a Struct's class keywords (``frozen``, ``array_like``)."""
 
 from __future__ import annotations
 
@@ -11,10 +10,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdfsm.events import Event, EventType
+from pdfsm.events import EventType
 from pdfsm.fsm import Fault
 
-__all__ = ["MemorySink", "Outcome", "Record", "Row", "Sink"]
+__all__ = ["MemorySink", "Outcome", "Record", "Sink"]
 
 
 class Outcome(enum.IntEnum):
@@ -23,16 +22,16 @@ class Outcome(enum.IntEnum):
     REJECTED = 2
 
 
-Row = tuple[int, Event, str, str, str, int, str, "str | None", "int | None"]
-"""A record as stored: (seq, event, machine, before, state, outcome, reason, fault, cause).
-
-Only atoms (ints, strings, None, GC-untracked events) so the garbage collector untracks the
-tuple and never walks the window again; ``outcome`` is an :class:`Outcome` value and
-``fault`` a :class:`~pdfsm.fsm.Fault` value."""
-
-
 class Record(msgspec.Struct, frozen=True, gc=False, array_like=True):
-    """One applied, ignored or rejected event and the state its machine was left in."""
+    """One applied, ignored or rejected event and the state its machine was left in.
+
+    The core keeps records as they are made (the window, the sink's batches), so this class is the
+    hot path's one allocation per record. It is untracked by the garbage collector (``gc=False``:
+    it holds atoms and an event, which are untracked too, and nothing refers back to a record).
+    A tuple would be cheaper to build but is tracked until the collector's next look, and at one
+    or more per event the collections it triggers cost more than the build saves (measured:
+    docs/benchmarks.md). Encoded as an array, ``outcome`` as its int and ``fault`` as its value.
+    """
 
     seq: int
     event: EventType
@@ -53,22 +52,11 @@ class Record(msgspec.Struct, frozen=True, gc=False, array_like=True):
     def root(self) -> bool:
         return self.cause is None
 
-    def row(self) -> Row:
-        return (self.seq, self.event, self.machine, self.before, self.state, int(self.outcome),
-                self.reason, None if self.fault is None else self.fault.value, self.cause)
-
-    @classmethod
-    def of(cls, row: Sequence[Any]) -> Record:
-        """The typed view of a stored row."""
-        seq, event, machine, before, state, outcome, reason, fault, cause = row
-        return cls(seq, event, machine, before, state, Outcome(outcome), reason,
-                   None if fault is None else Fault(fault), cause)
-
 
 class Sink(Protocol):
     """Where records go besides the in-memory window: the durable file log, a test list."""
 
-    def write(self, rows: Sequence[Row]) -> None: ...
+    def write(self, records: Sequence[Record]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -77,14 +65,21 @@ class MemorySink:
     """Keeps every record; for tests, examples and short runs."""
 
     def __init__(self) -> None:
-        self.rows: list[Row] = []
+        self.records: list[Record] = []
 
-    def write(self, rows: Sequence[Row]) -> None:
-        self.rows.extend(rows)
+    def write(self, records: Sequence[Record]) -> None:
+        self.records.extend(records)
 
     def close(self) -> None:
         pass
 
-    @property
-    def records(self) -> list[Record]:
-        return [Record.of(row) for row in self.rows]
+
+class Tombstone(msgspec.Struct, frozen=True, gc=False):
+    """A terminal state the core remembers (its key, kind and time), oldest first in a deque to
+    forget in order. A Struct, not a tuple, for the reason :class:`Record` is one: one is made per
+    finished request and stays, untracked by the garbage collector (it holds atoms, a key tuple of
+    atoms at most). Here, not in :mod:`pdfsm.core`: a compiled module cannot define a Struct."""
+
+    t_ns: int
+    target: int
+    key: Any

@@ -27,7 +27,7 @@ from pdfsm import consumer, engine, producer
 from pdfsm.core import Core
 from pdfsm.errors import PdfsmError, ProtocolError
 from pdfsm.events import ReadRequested, Reported, SendFailed, Started
-from pdfsm.log import EventLog, Outcome, Record, Row
+from pdfsm.log import EventLog, MemorySink, Outcome, Record
 
 __all__ = [
     "OUTCOMES",
@@ -96,17 +96,6 @@ class Divergence(PdfsmError):
         self.seq, self.expected, self.got = seq, expected, got
 
 
-class _Capture:
-    def __init__(self) -> None:
-        self.rows: list[Row] = []
-
-    def write(self, rows: Any) -> None:
-        self.rows.extend(rows)
-
-    def close(self) -> None:
-        pass
-
-
 class QuietLogger:
     """A core logger that drops everything. Replay's: it recomputes the past, and the violations
     it meets again were logged when they happened (re-logging them as live errors would mislead
@@ -139,11 +128,11 @@ def replay(records: Iterable[Record], *, window: int = 1024, unrecorded: list[Re
     first = next(it, None)
     if first is None or not isinstance(first.event, Started) or first.seq != 0:
         raise Divergence(0, first, None, "a log starts with the Started record at seq 0")
-    capture = _Capture()
+    capture = MemorySink()
     core = Core(first.event.config, EventLog(window=window, sink=capture), t_ns=first.event.t_ns, logger=QuietLogger())
     core.log.flush()
-    pending: list[Record] = [Record.of(row) for row in capture.rows]
-    capture.rows.clear()
+    pending: list[Record] = capture.records[:]
+    capture.records.clear()
     _match(pending, first)
     for rec in it:
         if rec.root:
@@ -155,8 +144,8 @@ def replay(records: Iterable[Record], *, window: int = 1024, unrecorded: list[Re
             with contextlib.suppress(ProtocolError):  # strict mode raised after recording, as it did then
                 core.apply(rec.event)
             core.log.flush()
-            pending = [Record.of(row) for row in capture.rows]
-            capture.rows.clear()
+            pending = capture.records[:]
+            capture.records.clear()
         _match(pending, rec)
     if unrecorded is not None:
         unrecorded += pending

@@ -15,19 +15,20 @@ import sys
 
 from pdfsm.events import Deadline, HandleDone, ReadRequested
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import Row
+from pdfsm.log import Outcome, Record
 
 
-def row(seq: int) -> Row:
-    """The row with sequence number ``seq`` (deterministic, two event kinds)."""
+def row(seq: int) -> Record:
+    """The record with sequence number ``seq`` (deterministic, two event kinds)."""
     if seq % 2:
         ev: HandleDone | ReadRequested = HandleDone(source="xfer-0", t_ns=seq, request_id=f"r{seq // 2}",
                                                     pp_rank=0, tp_rank=seq % 4)
-        return (seq, ev, "consumer", "READING", "NOTIFIED", 0, "", None, None)
+        return Record(seq, ev, "consumer", "READING", "NOTIFIED", Outcome.APPLIED)
     ev = ReadRequested(source="scheduler", t_ns=seq, request_id=f"r{seq // 2}", remote_request_id=f"p{seq}",
                        engine_id="P", local_blocks=tuple(range(seq % 7)), remote_blocks=tuple(range(seq % 7)),
                        deadline=Deadline("monotonic", seq + 1000))
-    return (seq, ev, "consumer", "NEW", "READING", 0, "", None, seq - 1 if seq % 3 == 0 and seq else None)
+    return Record(seq, ev, "consumer", "NEW", "READING", Outcome.APPLIED,
+                  cause=seq - 1 if seq % 3 == 0 and seq else None)
 
 
 def _ack(seq: int) -> None:

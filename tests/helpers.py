@@ -111,7 +111,7 @@ def write_worker_log(directory: Path, records: Any) -> Path:
     from pdfsm.filelog import segment_name, write_segment
 
     directory.mkdir()
-    write_segment(directory / segment_name(0), [r.row() for r in records], salt=bytes(8), meta={}, wall_ns=0,
+    write_segment(directory / segment_name(0), records, salt=bytes(8), meta={}, wall_ns=0,
                   mono_ns=0)
     return directory
 

@@ -43,7 +43,7 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.filelog import SCHEMA_VERSION, write_segment
-from pdfsm.log import EventLog, Overflow, Record, Row
+from pdfsm.log import EventLog, Overflow, Record
 from pdfsm.replay import QuietLogger
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -53,8 +53,8 @@ MONO_NS = 123_456_789
 META = {"engine_id": "golden-D", "created_ns": WALL_NS, "note": f"pdfsm log format 1, schema {SCHEMA_VERSION}"}
 
 
-def golden_rows() -> list[Row]:
-    """Rows covering most event types, outcomes, faults, causes, bytes, enums and nested structs."""
+def golden_rows() -> list[Record]:
+    """Records covering most event types, outcomes, faults, causes, bytes, enums and nested structs."""
     log = EventLog(inbox_limit=2, overflow=Overflow.COUNT)
     core = Core(CoreConfig(engine_id="golden-D", tp_size=2, compat_hash="h1", lease_ns=1_000), log,
                 logger=QuietLogger())
@@ -108,7 +108,7 @@ def golden_rows() -> list[Row]:
     core.pump()
     step(Collect(source="scheduler", t_ns=7_000, step=3))
     log.close()
-    return [r.row() for r in log.records()]
+    return log.records()
 
 
 def main() -> None:
@@ -119,8 +119,8 @@ def main() -> None:
         sys.exit(f"{pdlog} exists: released golden files never change")
     rows = golden_rows()
     write_segment(pdlog, rows, salt=SALT, meta=META, wall_ns=WALL_NS, mono_ns=MONO_NS, batch_records=4)
-    expected.write_bytes(msgspec.json.format(msgspec.json.encode([Record.of(r) for r in rows])) + b"\n")
-    kinds = Counter(type(r[1]).__name__ for r in rows)
+    expected.write_bytes(msgspec.json.format(msgspec.json.encode(rows)) + b"\n")
+    kinds = Counter(type(r.event).__name__ for r in rows)
     print(f"wrote {pdlog} ({pdlog.stat().st_size} bytes, {len(rows)} records): {dict(kinds)}")
 
 

@@ -39,7 +39,7 @@ import torch
 
 from pdfsm.connector import Connector
 from pdfsm.events import CoreConfig, HandshakeReply, NotificationReceived, RankInfo
-from pdfsm.log import EventLog, Row
+from pdfsm.log import EventLog, Record
 from pdfsm.sidechannel import SideChannelServer
 from transports.nixl import NixlTransport, import_nixl
 from transports.sim import SimHandshaker, SimNetwork
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         def __init__(self, pp: int, tp: int) -> None:
             self.where = f"{pp} {tp}"
 
-        def write(self, rows: Sequence[Row]) -> None:
-            for row in rows:
-                ev = row[1]
+        def write(self, records: Sequence[Record]) -> None:
+            for rec in records:
+                ev = rec.event
                 if isinstance(ev, NotificationReceived):
                     say(f"NOTE {ev.sender} {ev.request_id} {ev.part} {ev.of} {self.where}")
 

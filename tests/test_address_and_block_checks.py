@@ -18,7 +18,6 @@ from pdfsm.errors import InvalidInput
 from pdfsm.events import CoreConfig, HandleDone, HandshakeDone, HandshakeFailed, PeerAdded, PeerDisconnected
 from pdfsm.filelog import CorruptLogError, LogReader, TornTailError, read_log, recover, segment_paths
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import Record
 from transports.sim import ReadScript, SimHandshaker, SimTransport, pattern
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -348,7 +347,7 @@ def test_reopening_with_read_only_segments_and_a_torn_copy_appends_contiguously(
         os.chmod(path, 0o444)
     with FileSink(directory, fsync=FsyncPolicy.always()) as third:
         third.write([row(s) for s in range(12, 15)])
-    assert read_log(directory) == [Record.of(row(s)) for s in range(15)]
+    assert read_log(directory) == [row(s) for s in range(15)]
 
 
 # --- input the Connector refuses by name (review of its entry points) -----------------------------

@@ -45,7 +45,7 @@ from pdfsm.filelog import (
     write_segment,
 )
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import EventLog, Outcome, Overflow, Record, Row
+from pdfsm.log import EventLog, Outcome, Overflow, Record
 from pdfsm.replay import QuietLogger
 
 TESTS = Path(__file__).parent
@@ -69,18 +69,18 @@ def _layout(path: Path) -> tuple[int, list[tuple[int, int]]]:
 
 
 @pytest.fixture(scope="module")
-def rows() -> list[Row]:
+def rows() -> list[Record]:
     return golden_rows()
 
 
 @pytest.fixture(scope="module")
-def seg(rows: list[Row], tmp_path_factory: pytest.TempPathFactory) -> Seg:
+def seg(rows: list[Record], tmp_path_factory: pytest.TempPathFactory) -> Seg:
     path = tmp_path_factory.mktemp("seg") / "log.pdlog"
     write_segment(path, rows, salt=SALT, meta={"engine_id": "t"}, wall_ns=WALL_NS, mono_ns=MONO_NS,
                   batch_records=4)
     header_size, frames = _layout(path)
     assert len(rows) % 4 == 1 and frames[-1][1] - frames[-1][0] < 400  # the last frame is one record
-    return Seg(path.read_bytes(), header_size, frames, [Record.of(r) for r in rows])
+    return Seg(path.read_bytes(), header_size, frames, list(rows))
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +258,7 @@ def test_huge_header_metadata_length_is_refused(seg: Seg, tmp_path: Path) -> Non
     assert err.value.offset == 0
 
 
-def test_damage_at_the_tail_of_an_earlier_segment_is_corruption(rows: list[Row], tmp_path: Path) -> None:
+def test_damage_at_the_tail_of_an_earlier_segment_is_corruption(rows: list[Record], tmp_path: Path) -> None:
     log = tmp_path / "log"
     with FileSink(log, fsync=FsyncPolicy.never(), segment_bytes=4096, batch_records=4) as sink:
         for _ in range(3):
@@ -335,7 +335,7 @@ def test_kill_9_loop_loses_no_acknowledged_record(tmp_path: Path) -> None:
         records = read_log(directory)
         assert [r.seq for r in records] == list(range(len(records)))  # contiguous across segments
         assert acks[-1] < len(records), f"acked {acks[-1]} but only {len(records)} records recovered"
-        assert records == [Record.of(writer_row(s)) for s in range(len(records))]
+        assert records == [writer_row(s) for s in range(len(records))]
         assert report.next_seq == len(records)
         recovered = len(records)
     assert len(segment_paths(directory)) > 1
@@ -418,7 +418,7 @@ def test_schema_1_event_maps_become_arrays() -> None:
         decode(msgspec.msgpack.encode(upcast([unknown], 1)))
 
 
-def test_future_schema_and_format_versions_are_refused(rows: list[Row], tmp_path: Path) -> None:
+def test_future_schema_and_format_versions_are_refused(rows: list[Record], tmp_path: Path) -> None:
     path = tmp_path / "future.pdlog"
     header, prev = encode_header(0, SALT, {})
     payload = msgspec.msgpack.encode(rows[:2])
@@ -439,12 +439,12 @@ def test_an_event_field_added_later_stays_readable() -> None:
     """Events are arrays whose fields keep their places: a field added with a default at the end
     of a leaf class is ignored by an older reader and filled by a newer one, no schema bump."""
     ev = HandleDone(source="x", t_ns=1, request_id="r", pp_rank=0, tp_rank=1)
-    row = (0, ev, "consumer", "READING", "NOTIFIED", 0, "", None, None)
+    row = Record(0, ev, "consumer", "READING", "NOTIFIED", Outcome.APPLIED)
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode([row]))
     assert raw[0][1] == ["HandleDone", "x", 1, "r", 0, 1]
     decode = msgspec.msgpack.Decoder(list[Record]).decode
     raw[0][1].append(42)  # a newer writer's trailing optional field
-    assert decode(msgspec.msgpack.encode(raw)) == [Record.of(row)]
+    assert decode(msgspec.msgpack.encode(raw)) == [row]
     del raw[0][1][-2:]  # an older writer's array, short of a required field: named, never guessed
     with pytest.raises(msgspec.ValidationError, match="at least"):
         decode(msgspec.msgpack.encode(raw))
@@ -453,10 +453,10 @@ def test_an_event_field_added_later_stays_readable() -> None:
 # --- the writer ----------------------------------------------------------------------------------
 
 
-def _shift(rows: list[Row], sink: FileSink) -> list[Row]:
+def _shift(rows: list[Record], sink: FileSink) -> list[Record]:
     """``rows`` renumbered to continue what ``sink`` has been handed."""
     start = sink._next_in
-    return [(start + i, *r[1:]) for i, r in enumerate(rows)]
+    return [msgspec.structs.replace(r, seq=start + i) for i, r in enumerate(rows)]
 
 
 def _quiet_core(log: EventLog, engine_id: str = "D") -> Core:
@@ -479,16 +479,16 @@ def test_round_trip_through_event_log_and_core(tmp_path: Path) -> None:
     _lifecycles(core, 20)
     core.apply(Tick(source="timer", t_ns=1_000))
     log.close()
-    expected = [Record.of(r) for r in log.window]
+    expected = list(log.window)
     assert read_log(tmp_path / "log") == expected == log.records()
     assert sink.acked_seq == sink.written_seq == expected[-1].seq
     (header_path,) = segment_paths(tmp_path / "log")
     assert read_header(header_path).meta["engine_id"] == "D"
 
 
-def test_rotation_keeps_sequence_contiguous_across_segments(rows: list[Row], tmp_path: Path) -> None:
+def test_rotation_keeps_sequence_contiguous_across_segments(rows: list[Record], tmp_path: Path) -> None:
     directory = tmp_path / "log"
-    sent: list[Row] = []
+    sent: list[Record] = []
     with FileSink(directory, fsync=FsyncPolicy.every(5), segment_bytes=4096, batch_records=16) as sink:
         for _ in range(60):
             batch = _shift(rows, sink)
@@ -498,12 +498,12 @@ def test_rotation_keeps_sequence_contiguous_across_segments(rows: list[Row], tmp
     assert len(paths) > 20 and all(p.stat().st_size < 4096 + 16 * 400 for p in paths)
     starts = [read_header(p).start_seq for p in paths]
     assert starts == sorted(starts) and starts[0] == 0
-    assert read_log(directory) == [Record.of(r) for r in sent]
+    assert read_log(directory) == sent
 
 
-def test_retention_deletes_the_oldest_segments(rows: list[Row], tmp_path: Path) -> None:
+def test_retention_deletes_the_oldest_segments(rows: list[Record], tmp_path: Path) -> None:
     directory = tmp_path / "log"
-    sent: list[Row] = []
+    sent: list[Record] = []
     with FileSink(directory, fsync=FsyncPolicy.never(), segment_bytes=4096, keep_segments=3) as sink:
         for _ in range(40):
             batch = _shift(rows, sink)
@@ -511,10 +511,10 @@ def test_retention_deletes_the_oldest_segments(rows: list[Row], tmp_path: Path) 
             sent += batch
     assert len(segment_paths(directory)) == 3 and sink.segments_deleted > 0
     got = read_log(directory)
-    assert got and got[0].seq > 0 and got == [Record.of(r) for r in sent[got[0].seq:]]
+    assert got and got[0].seq > 0 and got == sent[got[0].seq:]
 
 
-def test_reopening_continues_the_sequence_and_refuses_a_restart(rows: list[Row], tmp_path: Path) -> None:
+def test_reopening_continues_the_sequence_and_refuses_a_restart(rows: list[Record], tmp_path: Path) -> None:
     directory = tmp_path / "log"
     with FileSink(directory) as sink:
         sink.write(rows)
@@ -525,7 +525,7 @@ def test_reopening_continues_the_sequence_and_refuses_a_restart(rows: list[Row],
     more = _shift(rows, again)
     again.write(more)
     again.close()
-    assert read_log(directory) == [Record.of(r) for r in [*rows, *more]]
+    assert read_log(directory) == [*rows, *more]
 
 
 def _eventually(check: Any, timeout: float = 10.0) -> None:
@@ -547,7 +547,7 @@ def _stall(sink: FileSink) -> threading.Event:
     return go
 
 
-def test_count_policy_records_the_loss_as_a_gap(rows: list[Row], tmp_path: Path) -> None:
+def test_count_policy_records_the_loss_as_a_gap(rows: list[Record], tmp_path: Path) -> None:
     directory = tmp_path / "log"
     sink = FileSink(directory, queue_rows=len(rows), overflow=Overflow.COUNT)
     go = _stall(sink)
@@ -565,13 +565,13 @@ def test_count_policy_records_the_loss_as_a_gap(rows: list[Row], tmp_path: Path)
     assert sink.lost == len(c) + len(d)
     reader = LogReader(directory)
     got = list(reader)
-    assert got == [Record.of(r) for r in [*a, *b]]
+    assert got == [*a, *b]
     (gap,) = reader.gaps
-    assert (gap.first_seq, gap.count) == (c[0][0], len(c) + len(d)) and "queue full" in gap.reason
-    assert reader.next_seq == d[-1][0] + 1
+    assert (gap.first_seq, gap.count) == (c[0].seq, len(c) + len(d)) and "queue full" in gap.reason
+    assert reader.next_seq == d[-1].seq + 1
 
 
-def test_block_policy_waits_for_room(rows: list[Row], tmp_path: Path) -> None:
+def test_block_policy_waits_for_room(rows: list[Record], tmp_path: Path) -> None:
     sink = FileSink(tmp_path / "log", queue_rows=len(rows), overflow=Overflow.BLOCK)
     go = _stall(sink)
     batches = [_shift(rows, sink)]
@@ -594,10 +594,10 @@ def test_block_policy_waits_for_room(rows: list[Row], tmp_path: Path) -> None:
     blocked.join()
     sink.close()
     assert sink.lost == 0
-    assert read_log(tmp_path / "log") == [Record.of(r) for b in batches for r in b]
+    assert read_log(tmp_path / "log") == [r for b in batches for r in b]
 
 
-def test_acknowledgement_follows_the_fsync_policy(rows: list[Row], tmp_path: Path) -> None:
+def test_acknowledgement_follows_the_fsync_policy(rows: list[Record], tmp_path: Path) -> None:
     always = FileSink(tmp_path / "always", fsync=FsyncPolicy.always())
     always.write(rows)
     assert always.wait_acked(len(rows) - 1, timeout=5)
@@ -618,12 +618,12 @@ def test_acknowledgement_follows_the_fsync_policy(rows: list[Row], tmp_path: Pat
     more = _shift(rows, never)
     never.write(more)
     never.close()  # close flushes and fsyncs
-    assert never.acked_seq == more[-1][0] and acks[-1] == more[-1][0]
+    assert never.acked_seq == more[-1].seq and acks[-1] == more[-1].seq
     with pytest.raises(ValueError):
         FsyncPolicy.every(0)
 
 
-def test_wait_written_puts_rows_in_the_file_before_any_fsync(rows: list[Row], tmp_path: Path) -> None:
+def test_wait_written_puts_rows_in_the_file_before_any_fsync(rows: list[Record], tmp_path: Path) -> None:
     """Write-ahead against a process crash: after wait_written a reader of the directory sees
     every row handed over, with no fsync (policy never) and the sink still open."""
     sink = FileSink(tmp_path / "log", fsync=FsyncPolicy.never())
@@ -634,7 +634,7 @@ def test_wait_written_puts_rows_in_the_file_before_any_fsync(rows: list[Row], tm
     sink.close()
 
 
-def test_writer_failure_is_raised_on_the_owner_thread(rows: list[Row], tmp_path: Path) -> None:
+def test_writer_failure_is_raised_on_the_owner_thread(rows: list[Record], tmp_path: Path) -> None:
     sink = FileSink(tmp_path / "log")
 
     def fail(items: list[Any]) -> None:
@@ -650,7 +650,7 @@ def test_writer_failure_is_raised_on_the_owner_thread(rows: list[Row], tmp_path:
         sink.wait_acked(0, timeout=1)
 
 
-def test_an_oversized_record_becomes_a_gap_not_a_crash(rows: list[Row], tmp_path: Path) -> None:
+def test_an_oversized_record_becomes_a_gap_not_a_crash(rows: list[Record], tmp_path: Path) -> None:
     sink = FileSink(tmp_path / "log", max_frame_bytes=300, batch_records=8)
     sink.write(rows)
     sink.close()
@@ -659,10 +659,10 @@ def test_an_oversized_record_becomes_a_gap_not_a_crash(rows: list[Row], tmp_path
     lost = {s for g in reader.gaps for s in range(g.first_seq, g.first_seq + g.count)}
     assert lost and all("over the frame cap" in g.reason for g in reader.gaps)
     assert [r.seq for r in got] == [s for s in range(len(rows)) if s not in lost]
-    assert got == [Record.of(r) for r in rows if r[0] not in lost]
+    assert got == [r for r in rows if r.seq not in lost]
 
 
-def test_interrupted_rotation_leaves_no_half_segment(rows: list[Row], tmp_path: Path) -> None:
+def test_interrupted_rotation_leaves_no_half_segment(rows: list[Record], tmp_path: Path) -> None:
     directory = tmp_path / "log"
     with FileSink(directory) as sink:
         sink.write(rows)
@@ -670,7 +670,7 @@ def test_interrupted_rotation_leaves_no_half_segment(rows: list[Row], tmp_path: 
     stale.write_bytes(b"PDFSM")  # a crash between creating and renaming the next segment
     report = recover(directory)
     assert report.removed_temp == (str(stale),) and not stale.exists()
-    assert read_log(directory) == [Record.of(r) for r in rows]
+    assert read_log(directory) == rows
 
 
 # --- CRC -----------------------------------------------------------------------------------------

@@ -36,18 +36,18 @@ from pdfsm.filelog import (
     segment_paths,
 )
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import EventLog, Overflow, Record, Row
+from pdfsm.log import EventLog, Outcome, Overflow, Record
 from pdfsm.replay import QuietLogger
 
 TESTS = Path(__file__).parent
 
 
-def _rows(a: int, b: int) -> list[Row]:
+def _rows(a: int, b: int) -> list[Record]:
     return [row(s) for s in range(a, b)]
 
 
 def _records(a: int, b: int) -> list[Record]:
-    return [Record.of(row(s)) for s in range(a, b)]
+    return [row(s) for s in range(a, b)]
 
 
 def _seqs(path: Path) -> list[int]:
@@ -318,7 +318,7 @@ def test_count_backpressure_accounts_for_every_seq_as_a_record_or_a_gap(tmp_path
     lost = [s for g in reader.gaps for s in range(g.first_seq, g.first_seq + g.count)]
     assert sink.lost > 0 and len(lost) == sink.lost
     assert sorted([r.seq for r in got] + lost) == list(range(2000))
-    assert got == [Record.of(row(r.seq)) for r in got] and reader.next_seq == 2000
+    assert got == [row(r.seq) for r in got] and reader.next_seq == 2000
 
 
 def test_a_batch_larger_than_the_queue_is_admitted_whole(tmp_path: Path) -> None:
@@ -565,9 +565,8 @@ def test_a_record_exactly_at_the_frame_cap_is_written_and_one_byte_over_becomes_
     """The frame cap is inclusive on both sides: a frame of exactly the cap is kept and read back."""
     encode = msgspec.msgpack.Encoder().encode
 
-    def with_reason(seq: int, n: int) -> Row:
-        r = row(seq)
-        return (*r[:6], "x" * n, *r[7:])
+    def with_reason(seq: int, n: int) -> Record:
+        return msgspec.structs.replace(row(seq), reason="x" * n)
 
     fit = with_reason(1, 3000)
     cap = len(encode([fit])) + FRAME.size
@@ -576,7 +575,7 @@ def test_a_record_exactly_at_the_frame_cap_is_written_and_one_byte_over_becomes_
         sink.write([row(0), fit, over, row(3)])
     reader = LogReader(tmp_path / "log", max_frame_bytes=cap - FRAME.size)
     got = list(reader)
-    assert [r.seq for r in got] == [0, 1, 3] and got[1] == Record.of(fit)
+    assert [r.seq for r in got] == [0, 1, 3] and got[1] == fit
     (gap,) = reader.gaps
     assert (gap.first_seq, gap.count) == (2, 1) and "frame cap" in gap.reason
 
@@ -601,7 +600,7 @@ def test_an_unencodable_record_becomes_a_gap_and_the_writer_goes_on(tmp_path: Pa
     with FileSink(directory, fsync=FsyncPolicy.always()) as sink:
         sink.write(_rows(0, 10))
         r = row(10)
-        bad: Row = (r[0], msgspec.structs.replace(r[1], request_id="\ud800"), *r[2:])
+        bad = msgspec.structs.replace(r, event=msgspec.structs.replace(r.event, request_id="\ud800"))
         sink.write([bad, *_rows(11, 14)])
         assert sink.sync(timeout=5) and sink.acked_seq == 13
     reader = LogReader(directory)
@@ -627,11 +626,11 @@ def test_a_batch_whose_seqs_do_not_rise_by_exactly_one_is_refused(tmp_path: Path
     assert refused, "accepted, and the log it wrote now reads as CorruptLogError"
 
 
-def _handshake_row(seq: int, metadata: bytes) -> Row:
+def _handshake_row(seq: int, metadata: bytes) -> Record:
     reply = HandshakeReply(engine_id="P", compat_hash="h", tp_size=1,
                            ranks=(RankInfo(pp_rank=0, tp_rank=0, agent="P-0", metadata=metadata),))
     ev = HandshakeDone(source="handshake", t_ns=seq, engine_id="P", pp_rank=0, attempt=1, reply=reply)
-    return (seq, ev, "engine", "CONNECTING", "CONNECTED", 0, "", None, None)
+    return Record(seq, ev, "engine", "CONNECTING", "CONNECTED", Outcome.APPLIED)
 
 
 def test_a_torn_last_frame_whose_payload_embeds_frame_bytes_is_still_a_torn_tail(tmp_path: Path) -> None:
@@ -711,7 +710,7 @@ def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() 
         closed = False
         transport: SimTransport | None = None
 
-        def write(self, rows: Sequence[Row]) -> None:
+        def write(self, rows: Sequence[Record]) -> None:
             if self.transport is not None and self.transport.closed:
                 raise OSError(errno.ENOSPC, "No space left on device")
             super().write(rows)

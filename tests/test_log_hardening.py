@@ -29,11 +29,11 @@ from pdfsm.filelog import (
     write_segment,
 )
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import Row
+from pdfsm.log import Record
 
 
 @pytest.fixture(scope="module")
-def rows() -> list[Row]:
+def rows() -> list[Record]:
     return golden_rows()
 
 
@@ -43,7 +43,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def _log(rows: list[Row], directory: Path, **meta: object) -> Path:
+def _log(rows: list[Record], directory: Path, **meta: object) -> Path:
     directory.mkdir(parents=True)
     write_segment(directory / segment_name(0), rows, salt=bytes(8), meta=meta, wall_ns=0, mono_ns=0,
                   batch_records=4)
@@ -75,7 +75,7 @@ def fsynced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 # --- bounded reads ---------------------------------------------------------------------------------
 
 
-def test_a_huge_frame_count_fails_without_allocating_per_claimed_record(rows: list[Row], tmp_path: Path) -> None:
+def test_a_huge_frame_count_fails_without_allocating_per_claimed_record(rows: list[Record], tmp_path: Path) -> None:
     """A CRC-valid frame whose ``count`` claims far more records than its payload holds must be
     refused without allocating memory proportional to ``count`` (2**32 - 1 would be ~150 GiB)."""
     header, prev = encode_header(0, bytes(8), {})
@@ -111,14 +111,14 @@ def test_deeply_nested_header_metadata_is_a_typed_error(tmp_path: Path, capsys: 
 
 
 def test_sync_under_the_never_policy_makes_every_acknowledged_segment_durable(
-        rows: list[Row], tmp_path: Path, fsynced: list[str]) -> None:
+        rows: list[Record], tmp_path: Path, fsynced: list[str]) -> None:
     """docs/log-format.md: under ``never`` the loss window is "everything since the last close() or
     sync()". With rotation, sync() acknowledges records in segments that were closed unsynced."""
     directory = tmp_path / "log"
     sink = FileSink(directory, fsync=FsyncPolicy.never(), segment_bytes=4096)
     n = 0
     for _ in range(10):
-        batch = [(n + i, *r[1:]) for i, r in enumerate(rows)]
+        batch = [msgspec.structs.replace(r, seq=n + i) for i, r in enumerate(rows)]
         n += len(batch)
         sink.write(batch)
     assert sink.sync(timeout=10) and sink.acked_seq == n - 1
@@ -132,7 +132,7 @@ def test_sync_under_the_never_policy_makes_every_acknowledged_segment_durable(
 
 
 def test_recovery_makes_its_backup_durable_before_cutting_the_original(
-        rows: list[Row], tmp_path: Path, fsynced: list[str]) -> None:
+        rows: list[Record], tmp_path: Path, fsynced: list[str]) -> None:
     """Recovery "keeps a copy" of a torn tail, then truncates and fsyncs the original. The copy is
     never fsynced, so a power loss after the truncation can leave neither the bytes nor the copy."""
     directory = _log(rows, tmp_path / "log")
@@ -147,7 +147,7 @@ def test_recovery_makes_its_backup_durable_before_cutting_the_original(
     assert fsynced.index(backup) < fsynced.index(str(seg.resolve()))
 
 
-def test_a_new_log_directory_is_made_durable_in_its_parent(rows: list[Row], tmp_path: Path,
+def test_a_new_log_directory_is_made_durable_in_its_parent(rows: list[Record], tmp_path: Path,
                                                            fsynced: list[str]) -> None:
     """Under ``always`` an acknowledged record survives a machine crash. A log directory created by
     FileSink is a new entry of its parent directory; without an fsync of the parent the whole log
@@ -182,7 +182,7 @@ def test_repair_never_moves_aside_a_file_that_is_not_a_log(tmp_path: Path,
     assert notes.exists() and notes.read_text() == text, sorted(p.name for p in tmp_path.iterdir())
 
 
-def test_at_with_a_non_ascii_digit_is_a_usage_error(rows: list[Row], tmp_path: Path,
+def test_at_with_a_non_ascii_digit_is_a_usage_error(rows: list[Record], tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """`--at ²`: str.isdigit() accepts it, int() does not: a ValueError traceback instead of exit 2."""
     log = _log(rows, tmp_path / "log")
@@ -190,7 +190,7 @@ def test_at_with_a_non_ascii_digit_is_a_usage_error(rows: list[Row], tmp_path: P
     assert code == 2 and "--at" in err
 
 
-def test_json_is_strict_json_whatever_the_header_metadata(rows: list[Row], tmp_path: Path,
+def test_json_is_strict_json_whatever_the_header_metadata(rows: list[Record], tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`meta` copies float header values; NaN/Infinity come out as bare NaN/Infinity tokens, which
     are not JSON (jq, JavaScript's JSON.parse and Go's encoding/json reject the document)."""
@@ -205,7 +205,7 @@ def test_json_is_strict_json_whatever_the_header_metadata(rows: list[Row], tmp_p
     assert doc["schema"] == 1
 
 
-def test_an_unreadable_segment_is_a_status_not_a_traceback(rows: list[Row], tmp_path: Path,
+def test_an_unreadable_segment_is_a_status_not_a_traceback(rows: list[Record], tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """postmortem.load: "Never raises for a bad log". A segment the user may not read (simulated:
@@ -223,14 +223,14 @@ def test_an_unreadable_segment_is_a_status_not_a_traceback(rows: list[Row], tmp_
     assert code != 0 and "Permission denied" in err
 
 
-def test_trace_into_a_missing_directory_is_a_clear_error(rows: list[Row], tmp_path: Path,
+def test_trace_into_a_missing_directory_is_a_clear_error(rows: list[Record], tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     log = _log(rows, tmp_path / "log")
     code, _, err = _run(capsys, "trace", str(log), "-o", str(tmp_path / "no" / "such" / "trace.json"))
     assert code != 0 and err
 
 
-def test_a_second_writer_on_a_live_log_is_refused_and_changes_nothing(rows: list[Row], tmp_path: Path) -> None:
+def test_a_second_writer_on_a_live_log_is_refused_and_changes_nothing(rows: list[Record], tmp_path: Path) -> None:
     """reliability.md: "one writer". Opening a FileSink on a directory another FileSink is writing
     (two workers given the same name, an engine restarted while the old process lingers) runs
     recovery on the live log and creates a segment at its current end; the first writer keeps
@@ -279,7 +279,7 @@ def test_a_trimmed_log_is_summarized_not_reported_as_divergence(tmp_path: Path,
 # --- found by review (stop 19) ---------------------------------------------------------------------
 
 
-def test_a_damaged_gap_frame_mid_log_is_corruption_and_no_acknowledged_record_is_cut(rows: list[Row],
+def test_a_damaged_gap_frame_mid_log_is_corruption_and_no_acknowledged_record_is_cut(rows: list[Record],
                                                                                     tmp_path: Path) -> None:
     """A gap frame stands for many lost records in a few bytes: the next frame's seq was judged
     against the bytes between them, so two flips in a gap frame's header (CRC and length) made
@@ -290,8 +290,8 @@ def test_a_damaged_gap_frame_mid_log_is_corruption_and_no_acknowledged_record_is
 
     d = tmp_path / "log"
     sink = FileSink(d, fsync=FsyncPolicy.always(), queue_rows=10, overflow=Overflow.COUNT)
-    def row(seq: int) -> Row:
-        return (seq, *rows[seq % len(rows)][1:])
+    def row(seq: int) -> Record:
+        return msgspec.structs.replace(rows[seq % len(rows)], seq=seq)
 
     with sink._cond:  # the writer cannot drain meanwhile: the second batch is refused whole, a gap
         sink.write([row(i) for i in range(10)])

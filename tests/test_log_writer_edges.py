@@ -19,18 +19,18 @@ from pdfsm.core import Core
 from pdfsm.events import AbortRequested, CoreConfig
 from pdfsm.filelog import LogError, LogReader, LogWriteError, read_log, recover, segment_paths
 from pdfsm.filesink import FileSink, FsyncPolicy
-from pdfsm.log import EventLog, Record, Row
+from pdfsm.log import EventLog, Record
 from pdfsm.replay import QuietLogger
 
 WRITER_THREAD = "pdfsm-filelog"
 
 
-def _rows(a: int, b: int) -> list[Row]:
+def _rows(a: int, b: int) -> list[Record]:
     return [row(s) for s in range(a, b)]
 
 
 def _records(a: int, b: int) -> list[Record]:
-    return [Record.of(row(s)) for s in range(a, b)]
+    return [row(s) for s in range(a, b)]
 
 
 def _eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -29,7 +29,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def _write(directory: Path, records: list[Record], *, batch: int = 4) -> Path:
     """The records as one segment of ``batch``-record frames (as the other postmortem tests do)."""
     directory.mkdir(parents=True)
-    write_segment(directory / segment_name(records[0].seq), [r.row() for r in records], salt=bytes(8),
+    write_segment(directory / segment_name(records[0].seq), records, salt=bytes(8),
                   meta={"worker": directory.name}, wall_ns=0, mono_ns=0, batch_records=batch)
     return directory
 
@@ -232,7 +232,7 @@ def _rotated(directory: Path) -> list[Path]:
     """A prefill log in three segments (seqs 0-16, 17-32, 33-...), 4-record frames."""
     records = _prefill("P", [(f"p-{i}", 1_000 + i * 10_000) for i in range(20)])
     directory.mkdir(parents=True)
-    rows = [r.row() for r in records]
+    rows = records
     for lo, hi in ((0, 17), (17, 33), (33, len(rows))):
         write_segment(directory / segment_name(lo), rows[lo:hi], salt=bytes(8), meta={"worker": directory.name},
                       wall_ns=0, mono_ns=0, batch_records=4)

@@ -130,7 +130,7 @@ def _with_gap(records: list[Record], dest: Path, first: int, count: int) -> Path
     """The records as a log whose seqs first..first+count-1 are a gap frame (Overflow.COUNT)."""
     dest.mkdir(parents=True)
     enc = msgspec.msgpack.Encoder().encode
-    rows = [r.row() for r in records]
+    rows = records
     header, prev = encode_header(0, bytes(8), {"worker": dest.name})
     parts = [header]
 
@@ -141,11 +141,11 @@ def _with_gap(records: list[Record], dest: Path, first: int, count: int) -> Path
 
     for i in range(0, first, 4):
         chunk = rows[i:min(i + 4, first)]
-        frame(enc(chunk), len(chunk), chunk[0][0])
+        frame(enc(chunk), len(chunk), chunk[0].seq)
     frame(enc({"reason": "queue full"}), count, first, FLAG_GAP)
     for i in range(first + count, len(rows), 4):
         chunk = rows[i:i + 4]
-        frame(enc(chunk), len(chunk), chunk[0][0])
+        frame(enc(chunk), len(chunk), chunk[0].seq)
     (dest / segment_name(0)).write_bytes(b"".join(parts))
     return dest
 
@@ -195,12 +195,12 @@ def test_a_segment_missing_from_the_middle_is_corruption_naming_the_next_segment
     """Pins: a directory of rotated segments with one deleted from the middle is exit 4, naming the
     segment after the hole, and the records before the hole are summarized."""
     records = read_log(demo / "decode-tp0")
-    rows = [r.row() for r in records]
+    rows = records
     log = tmp_path / "decode-tp0"
     log.mkdir()
     third = len(rows) // 3
     for part in (rows[:third], rows[third:2 * third], rows[2 * third:]):
-        write_segment(log / segment_name(part[0][0]), part, salt=bytes(8), meta={}, wall_ns=0, mono_ns=0,
+        write_segment(log / segment_name(part[0].seq), part, salt=bytes(8), meta={}, wall_ns=0, mono_ns=0,
                       batch_records=4)
     code, out, _ = _run(capsys, "replay", str(log), "--timelines", "0")
     assert code == 0, out

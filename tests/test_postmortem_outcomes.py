@@ -204,7 +204,7 @@ def test_at_past_the_end_says_so_in_text_and_json(sims: dict[str, Path], tmp_pat
     trimmed = tmp_path / "trimmed"
     trimmed.mkdir()
     records = read_log(logs / "prefill-tp0")
-    write_segment(trimmed / segment_name(10), [r.row() for r in records[10:]], salt=bytes(8), meta={},
+    write_segment(trimmed / segment_name(10), records[10:], salt=bytes(8), meta={},
                   wall_ns=0, mono_ns=0)
     code, out, _ = _run(capsys, "replay", str(trimmed), "--at", "3", "--json")
     log = json.loads(out)["logs"][0]

@@ -52,7 +52,7 @@ def test_staged_heartbeat_promise_is_kept_when_staging_overflows() -> None:
     core = make_core(engine_id="P", strict=False, lease_ns=LEASE, max_staged=1)
     core.apply(ev(Heartbeat, 0, request_id="r", extend_ns=5 * LEASE))  # consumer may read until 5000
     core.apply(ev(NotificationReceived, 1, request_id="x", part=0, of=2))  # staging now over its bound
-    dropped = [row[1].request_id for row in core.log.window if isinstance(row[1], StagedDropped)]
+    dropped = [r.event.request_id for r in core.log.window if isinstance(r.event, StagedDropped)]
     assert dropped == ["x"]  # the entry holding only a notification goes first
     core.apply(ev(BlocksHeld, 2, request_id="r", block_ids=(7,)))
     core.apply(ev(Tick, 2 * LEASE))  # well within the heartbeat's promise

@@ -205,7 +205,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _write(records: list[Record], dest: Path) -> Path:
     dest.mkdir(parents=True)
-    write_segment(dest / segment_name(records[0].seq), [r.row() for r in records], salt=bytes(8),
+    write_segment(dest / segment_name(records[0].seq), records, salt=bytes(8),
                   meta={"worker": dest.name}, wall_ns=0, mono_ns=0, batch_records=4)
     return dest
 

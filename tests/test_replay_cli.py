@@ -40,7 +40,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _copy(records: list[Record], dest: Path) -> Path:
     """The records as a fresh log of 4-record frames, so damage can land between good frames."""
     dest.mkdir(parents=True)
-    write_segment(dest / segment_name(0), [r.row() for r in records], salt=bytes(8), meta={"worker": dest.name},
+    write_segment(dest / segment_name(0), records, salt=bytes(8), meta={"worker": dest.name},
                   wall_ns=0, mono_ns=0, batch_records=4)
     return dest
 

@@ -67,7 +67,7 @@ def _write_raw(directory: Path, raw_rows: list[list[Any]], *, schema: int = SCHE
 
 def _raw(records: list[Record]) -> list[list[Any]]:
     """Rows as plain msgpack values (bytes stay bytes), to edit as an older writer laid them out."""
-    rows: list[list[Any]] = msgspec.msgpack.decode(msgspec.msgpack.encode([r.row() for r in records]))
+    rows: list[list[Any]] = msgspec.msgpack.decode(msgspec.msgpack.encode(records))
     return rows
 
 
@@ -300,7 +300,7 @@ def test_replay_of_a_file_that_is_not_a_segment_is_no_log(tmp_path: Path,
     replay' and exits 0, which reads as a log that is fine."""
     d = tmp_path / "decode-pp0-tp0"
     d.mkdir()
-    write_segment(d / segment_name(0), [r.row() for r in read_log(GOLDEN / "v2.pdlog")],
+    write_segment(d / segment_name(0), read_log(GOLDEN / "v2.pdlog"),
                   salt=bytes(8), meta={}, wall_ns=0, mono_ns=0)
     (d / "writer.lock").write_bytes(b"")
     code, out, err = run_cli_captured(capsys, "replay", str(d / "writer.lock"), "--timelines", "0")

@@ -105,7 +105,7 @@ def _renumber(records: list[Record]) -> list[Record]:
 
 def _write(directory: Path, records: list[Record], *, batch: int = 256) -> Path:
     directory.mkdir(parents=True)
-    write_segment(directory / segment_name(records[0].seq), [r.row() for r in records], salt=bytes(8),
+    write_segment(directory / segment_name(records[0].seq), records, salt=bytes(8),
                   meta={"worker": directory.name}, wall_ns=0, mono_ns=0, batch_records=batch)
     return directory
 

@@ -43,7 +43,7 @@ from pdfsm.events import (
 from pdfsm.filelog import LogReader
 from pdfsm.filesink import FileSink, FsyncPolicy
 from pdfsm.fsm import Fault
-from pdfsm.log import EventLog, MemorySink, Overflow, Row
+from pdfsm.log import EventLog, MemorySink, Overflow, Record
 from pdfsm.sidechannel import (
     HEADER,
     MAGIC,
@@ -755,10 +755,10 @@ def test_a_pump_while_another_thread_pumps_is_refused_with_owner_error() -> None
     entered, release = threading.Event(), threading.Event()
 
     class SlowSink(MemorySink):
-        def write(self, rows: Sequence[Row]) -> None:
+        def write(self, records: Sequence[Record]) -> None:
             entered.set()
             release.wait(5)
-            super().write(rows)
+            super().write(records)
 
     sink = SlowSink()
     core = Core(CoreConfig(engine_id="D"), EventLog(sink=sink))
@@ -772,4 +772,4 @@ def test_a_pump_while_another_thread_pumps_is_refused_with_owner_error() -> None
     release.set()
     pumping.join(5)
     assert core.pump() == 1  # the refused pump took nothing: the second tick is applied now
-    assert [r[0] for r in sink.rows] == list(range(len(sink.rows)))
+    assert [r.seq for r in sink.records] == list(range(len(sink.records)))

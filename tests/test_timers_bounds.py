@@ -47,6 +47,7 @@ from pdfsm.events import (
     Tick,
 )
 from pdfsm.log import EventLog
+from pdfsm.records import Tombstone
 from pdfsm.timers import Timers
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=150, database=None,
@@ -496,7 +497,7 @@ def test_tombstones_are_trimmed_by_age_when_the_next_one_is_added() -> None:
     a.apply(a.ev(Tick))
     a.apply(a.ev(BlocksHeld, request_id="last", block_ids=(1,)))
     a.apply(a.ev(NotificationReceived, request_id="last", part=0, of=1))
-    assert list(a.core._remembered_order) == [(a.now, PRODUCER, "last")]
+    assert list(a.core._remembered_order) == [Tombstone(a.now, PRODUCER, "last")]
     assert a.core.remembered(PRODUCER, "q19") is None
 
 

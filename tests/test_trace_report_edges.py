@@ -36,7 +36,7 @@ from pdfsm.trace import chrome_trace
 
 def _write(directory: Path, records: list[Record], *, batch: int = 4) -> Path:
     directory.mkdir(parents=True)
-    write_segment(directory / segment_name(records[0].seq if records else 0), [r.row() for r in records],
+    write_segment(directory / segment_name(records[0].seq if records else 0), records,
                   salt=bytes(8), meta={"worker": directory.name}, wall_ns=0, mono_ns=0, batch_records=batch)
     return directory
 

@@ -916,8 +916,8 @@ class World:
         parts = self.delivered.get((name, cmd.request_id), set())
         in_time = self.registered.get((agent, cmd.request_id), 0) < self.lease_from.get((agent, cmd.request_id), 0) \
             + self.s.lease_ns  # registered after its lease ended: expiring at once is right
-        dropped = any(isinstance(row[1], StagedDropped) and row[1].request_id == cmd.request_id
-                      for row in self.core(name).log.window)  # staging was full: an explicit, recorded loss
+        dropped = any(isinstance(rec.event, StagedDropped) and rec.event.request_id == cmd.request_id
+                      for rec in self.core(name).log.window)  # staging was full: an explicit, recorded loss
         if cmd.expired and in_time and not dropped and parts and len(parts) == next(iter(parts))[1]:
             self.fail(f"{name} kept {cmd.request_id} until its lease expired although every consumer part "
                       f"had notified it: {sorted(parts)}")
@@ -963,7 +963,7 @@ class World:
             log = Path(directory) / name
             log.mkdir(parents=True, exist_ok=True)
             meta = {"engine": name, "variant": self.variant.id, "steps": self.journal}
-            write_segment(log / segment_name(0), [r.row() for r in records], salt=bytes(8), meta=meta,
+            write_segment(log / segment_name(0), records, salt=bytes(8), meta=meta,
                           wall_ns=0, mono_ns=0)
             out.append(log)
         return out
