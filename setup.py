@@ -22,7 +22,7 @@ from setuptools.command.build_ext import build_ext
 
 # The modules every applied event runs through. None may define a msgspec Struct: mypyc drops its
 # class keywords (frozen=True, gc=False; tests/test_compiled.py checks).
-HOT = ("core", "consumer", "producer", "engine", "fsm", "timers", "log")
+HOT = ("core", "consumer", "producer", "engine", "fsm", "timers", "log", "topology")
 STAMP = "_compiled.json"
 PACKAGE = Path("pdfsm")
 

@@ -48,7 +48,7 @@ from pdfsm.events import (
     Reported,
     Source,
 )
-from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, Machine, State, Table, on
 from pdfsm.topology import ReadPlan, TopologyError
 from pdfsm.wire import Notification
 
@@ -77,16 +77,16 @@ CONNECTING: Final[State] = EngineState.CONNECTING
 ENGINE_FAILED: Final[State] = EngineState.FAILED
 
 
-class ConsumerRequest:
+class ConsumerRequest(Machine):
     """A decode-side request. Its parameters are the event that created it (``req``); the
     rest is what changes, and only the owner thread, through the table, changes it."""
 
     __slots__ = ("attempts", "deadline", "done", "engines", "error", "held_at", "outcome", "pending", "plan",
-                 "promised", "remote_fault", "req", "request_id", "state", "trust", "waited", "waiting")
+                 "promised", "remote_fault", "req", "request_id", "trust", "waited", "waiting")
 
     def __init__(self, request_id: str) -> None:
+        super().__init__(S.NEW)
         self.request_id = request_id
-        self.state: State = S.NEW
         self.req: ReadRequested | None = None
         self.plan: ReadPlan | None = None
         self.engines: tuple[RemoteEngine, ...] = ()  # engines held: ready for it, or read from
@@ -125,12 +125,18 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     deadline, when the request gives up on reads still running, is the read timeout or, earlier,
     ``trust``. The read timeout is liveness, not safety: a read seen complete after it but well
     inside the lease holds the right bytes. With the lease not known it is the only bound there is."""
-    timeout = ev.deadline.t_ns if ev.deadline is not None else ev.t_ns + core.read_timeout_ns
-    if not ev.lease_ns:
-        return timeout, timeout
-    start = ev.t_ns if ev.lease_start_ns is None else ev.lease_start_ns
-    trust = start + ev.lease_ns - core.lease_margin_ns
-    return min(timeout, trust), trust
+    if ev is core.times_for:
+        return core.times
+    t_ns, deadline, lease_ns = ev.t_ns, ev.deadline, ev.lease_ns
+    timeout = deadline.t_ns if deadline is not None else t_ns + core.read_timeout_ns
+    if not lease_ns:
+        times = (timeout, timeout)
+    else:
+        start = ev.lease_start_ns
+        trust = (t_ns if start is None else start) + lease_ns - core.lease_margin_ns
+        times = (min(timeout, trust), trust)
+    core.times_for, core.times = ev, times
+    return times
 
 
 def notify_until(req: ReadRequested, trust: int, core: Core, promised: int = 0) -> int:
@@ -171,26 +177,37 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> s
     the params were issued, or its validated reply's TP or PP size, or a block id it does not have.
     Reading with such params would move another engine's blocks, another process's, the wrong
     slices or the wrong blocks, and notify the wrong ranks."""
-    if e.elsewhere(req.host, req.port):
-        return (f"the params place {req.engine_id} at {req.host}:{req.port}; pp_rank {pp} was handshaken at "
+    # Every request runs this: each field of the params (a Struct) is read once, the reply's
+    # from the engine's native copies (RemoteEngine.connect).
+    port = req.port
+    if port and e.port and (port != e.port or req.host != e.host):  # e.elsewhere, spelt out
+        return (f"the params place {req.engine_id} at {req.host}:{port}; pp_rank {pp} was handshaken at "
                 f"{e.host}:{e.port} (two engines share one engine id, or it moved)")
     r = e.reply
     if r is None:
         return None
-    if _predates(req, e, skew):
+    issued = req.issued_wall_ns
+    if issued and skew and e.started_ns - issued > skew:  # _predates, spelt out
         rank = max(r.ranks, key=lambda x: x.started_wall_ns)
-        ahead = (rank.started_wall_ns - req.issued_wall_ns) / 1e9
+        ahead = (rank.started_wall_ns - issued) / 1e9
         return (f"the params were issued {ahead:.3f} s before {req.engine_id} rank (pp {rank.pp_rank}, tp "
                 f"{rank.tp_rank}) started: that rank restarted since, and the blocks they name are another "
                 "process's")
-    if r.tp_size != req.remote_tp or r.pp_size != req.remote_pp:
-        return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {req.remote_pp}; its handshake"
-                f" (pp_rank {pp}) says TP {r.tp_size} and PP {r.pp_size}")
-    if r.num_blocks and req.remote_blocks and (top := max(req.remote_blocks)) >= r.num_blocks:
-        return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {r.num_blocks} blocks"
-    stage = 0 if req.incarnation_pp is None and req.remote_pp == 1 else req.incarnation_pp
-    if req.incarnation and pp == stage and _foreign(req, r.ranks):
-        return _restarted(req, f"{req.engine_id} pp_rank {pp}'s ranks")
+    remote_pp = req.remote_pp
+    if e.reply_tp != req.remote_tp or e.reply_pp != remote_pp:
+        return (f"the params say {req.engine_id} has TP {req.remote_tp} and PP {remote_pp}; its handshake"
+                f" (pp_rank {pp}) says TP {e.reply_tp} and PP {e.reply_pp}")
+    n = e.num_blocks
+    if n and (blocks := req.remote_blocks) and (top := max(blocks)) >= n:
+        return f"remote block {top} is out of range: {req.engine_id} pp_rank {pp} has {n} blocks"
+    incarnation = req.incarnation
+    if incarnation:
+        stage = req.incarnation_pp
+        if stage is None and remote_pp == 1:
+            stage = 0
+        said = e.incarnations
+        if pp == stage and said and "" not in said and incarnation not in said:  # _foreign, spelt out
+            return _restarted(req, f"{req.engine_id} pp_rank {pp}'s ranks")
     return None
 
 

@@ -56,7 +56,7 @@ from pdfsm.events import (
     Started,
     Tick,
 )
-from pdfsm.fsm import Fault, Go, Guard, Ignore, Option, State, Table
+from pdfsm.fsm import Fault, Go, Guard, Ignore, Machine, Option, State, Table
 from pdfsm.log import EventLog, Outcome, Record
 from pdfsm.records import Tombstone
 from pdfsm.timers import Timers
@@ -233,6 +233,10 @@ class Core:
         self.hold_skew_ns: Final = config.hold_skew_ns
         self.engine_id: Final = config.engine_id
         self.clock: Final = config.clock
+        # consumer.times_of's last answer and the params it was for: the common request's guard
+        # and action both need it (events are immutable, so the same object gives the same times).
+        self.times_for: Event | None = None
+        self.times: tuple[int, int] = (0, 0)
         # The latest time a core event (a Tick, a Collect) brought: what the core knows the time is
         # at least, whatever older stamp a late event carries from another thread.
         self.latest_t_ns = t_ns
@@ -330,14 +334,16 @@ class Core:
                     machines = route.machines
                     m = machines.get(key)
                     stored = m is not None
-                    if not stored:
+                    if m is None:
                         m = make(key)
+                    machine: Machine = m  # typed: its state is a native field (Machine)
+                    if not stored:
                         remembered = route.remembered
                         if remembered:  # late news for a request already finished: classify, do not restart
                             was = remembered.get(key)
                             if was is not None:
-                                m.state = was
-                    cell = route.cells[m.state]
+                                machine.state = was
+                    cell = route.cells[machine.state]
                     when, step = cell.when, cell.step
                     if when is not None and not when(m, ev, self):
                         for when, step in cell.rest:  # noqa: B007 (the step is the one the loop stops at)
@@ -348,11 +354,11 @@ class Core:
                     if action is not None:
                         action(m, ev, self)
                     if not end:  # LIVES
-                        m.state = dst
+                        machine.state = dst
                         if not stored:
                             machines[key] = m
                     elif end < 3:  # ENDS or REMEMBERS: a terminal state
-                        m.state = dst
+                        machine.state = dst
                         if stored:
                             del machines[key]
                         if end == 2:

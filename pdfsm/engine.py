@@ -48,7 +48,7 @@ from pdfsm.events import (
     ReadRequested,
     Source,
 )
-from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, Machine, State, Table, on
 
 if TYPE_CHECKING:
     from pdfsm.core import Core
@@ -69,7 +69,7 @@ class EngineState:
 S = EngineState
 
 
-class RemoteEngine:
+class RemoteEngine(Machine):
     """What this worker knows of one remote engine at one PP rank."""
 
     __slots__ = (
@@ -82,21 +82,24 @@ class RemoteEngine:
         "host",
         "idle_at",
         "idle_since",
+        "incarnations",
         "notices",
+        "num_blocks",
         "port",
         "pp_rank",
         "readers",
         "reply",
+        "reply_pp",
+        "reply_tp",
         "retry_at",
         "stalled",
         "started_ns",
-        "state",
         "waiters",
     )
 
     def __init__(self, key: tuple[str, int]) -> None:
+        super().__init__(S.UNKNOWN)
         self.engine_id, self.pp_rank = key
-        self.state: State = S.UNKNOWN
         self.attempt = 0
         self.host = ""
         self.port = 0
@@ -114,7 +117,11 @@ class RemoteEngine:
         # lets go (a read of it stopped: the peer answers again).
         self.stalled = False
         self.reply: HandshakeReply | None = None
-        self.started_ns = 0  # its reply's latest rank start (wall clock; 0: none said): read per request
+        # What every request's params are checked against, from the reply (set with it, by
+        # connect): native fields, where the reply's are generic attribute reads from compiled code.
+        self.reply_tp = self.reply_pp = self.num_blocks = 0
+        self.started_ns = 0  # its reply's latest rank start (wall clock; 0: none said)
+        self.incarnations: frozenset[str] = frozenset()  # its ranks' incarnations
         self.error: HandshakeError | None = None
         self.retry_at = 0
         self.idle_since = 0  # when it last failed, disconnected, connected or was read from
@@ -122,6 +129,13 @@ class RemoteEngine:
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.engine_id!r}, pp_rank={self.pp_rank}, {self.state})"
+
+    def connect(self, reply: HandshakeReply) -> None:
+        """Keep the validated reply, and what each request is checked against (consumer._contradiction)."""
+        self.reply = reply
+        self.reply_tp, self.reply_pp, self.num_blocks = reply.tp_size, reply.pp_size, reply.num_blocks
+        self.started_ns = max((rank.started_wall_ns for rank in reply.ranks), default=0)
+        self.incarnations = frozenset(rank.incarnation for rank in reply.ranks)
 
     def elsewhere(self, host: str, port: int) -> bool:
         """``host:port`` is another address than the one it was handshaken at (port 0: none given)."""
@@ -294,8 +308,7 @@ def _explain(m: RemoteEngine, ev: object, core: Core) -> str:
 
 
 def _add_peer(m: RemoteEngine, ev: HandshakeDone, core: Core) -> None:
-    m.reply = ev.reply
-    m.started_ns = max((rank.started_wall_ns for rank in ev.reply.ranks), default=0)
+    m.connect(ev.reply)
     core.emit(AddPeer(engine_id=m.engine_id, pp_rank=m.pp_rank, attempt=m.attempt, reply=ev.reply))
 
 

@@ -23,6 +23,7 @@ from typing import Any, Final, final
 
 __all__ = [
     "Fault",
+    "Machine",
     "Go",
     "Ignore",
     "Illegal",
@@ -58,6 +59,18 @@ class State:
 
     def __repr__(self) -> str:
         return self.name
+
+
+class Machine:
+    """What every machine has: its state, which the core's loop reads and writes on every event.
+    A field of this base (the request and engine classes extend it), so the loop, which holds
+    machines of three classes, reads and writes it natively (through ``Any`` compiled code would
+    look it up by name)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: State) -> None:
+        self.state = state
 
 
 Guard = Callable[[Any, Any, Any], bool]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import FinishedSending
 from pdfsm.events import BlocksHeld, Heartbeat, LeaseExpired, NotificationReceived, StagedDropped
-from pdfsm.fsm import Fault, Go, Ignore, Illegal, State, Table, on
+from pdfsm.fsm import Fault, Go, Ignore, Illegal, Machine, State, Table, on
 
 if TYPE_CHECKING:
     from pdfsm.core import Core
@@ -57,15 +57,15 @@ class ProducerState:
 S = ProducerState
 
 
-class ProducerRequest:
+class ProducerRequest(Machine):
     """A prefill-side request's data. Only the owner thread, through the table, changes it."""
 
     __slots__ = ("block_ids", "consumer", "deadline", "extended_to", "issued", "of", "others", "outcome", "parts",
-                 "promised_for", "read_noticed", "request_id", "state", "t_start")
+                 "promised_for", "read_noticed", "request_id", "t_start")
 
     def __init__(self, request_id: str) -> None:
+        super().__init__(S.NEW)
         self.request_id = request_id
-        self.state: State = S.NEW
         self.block_ids: tuple[int, ...] = ()
         self.of = 0  # parts expected, learnt from the first notification
         self.parts = 0  # bit i: part i has notified

@@ -20,9 +20,7 @@ Terms, from the consumer's (decode side, D) point of view, with the producer
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Final, NamedTuple
-
-import msgspec
+from typing import Final, NamedTuple, final
 
 __all__ = [
     "MAX_RANKS",
@@ -65,21 +63,31 @@ class ReadSource(NamedTuple):
     local_slices: int = 1
 
 
-class ReadPlan(msgspec.Struct, frozen=True, gc=False):
+@final
+class ReadPlan:
     """Everything a consumer rank does for one request, independent of the request itself.
 
-    A Struct rather than a NamedTuple: the consumer's hot path reads its fields on every request,
-    and a Struct field is a slot the interpreter loads directly (a NamedTuple field is a
-    descriptor call).
+    A native class (this module is compiled, setup.py): the consumer's hot path reads its fields
+    on every request, each a load at a fixed offset. One plan is shared by every request between
+    the same two layouts (:func:`read_plan` caches it), so nothing may change it: its fields are
+    ``Final``.
     """
 
-    sources: tuple[ReadSource, ...]
-    notify_only: tuple[tuple[int, int], ...]  # (pp, tp) ranks told without being read (MLA)
-    part: int  # which notification part this consumer rank is, for each rank it notifies
-    of: int  # how many parts each notified producer rank expects
-    pp_ranks: tuple[int, ...]  # the remote PP ranks involved, i.e. the engines waited for
-    position: dict[tuple[int, int], int]  # (pp_rank, tp_rank) -> index in sources
-    all_read: int  # the bit mask with one bit per source
+    __slots__ = ("all_read", "notify_only", "of", "part", "position", "pp_ranks", "sources")
+
+    def __init__(self, sources: tuple[ReadSource, ...], notify_only: tuple[tuple[int, int], ...], part: int, of: int,
+                 pp_ranks: tuple[int, ...], position: dict[tuple[int, int], int], all_read: int) -> None:
+        self.sources: Final = sources
+        self.notify_only: Final = notify_only  # (pp, tp) ranks told without being read (MLA)
+        self.part: Final = part  # which notification part this consumer rank is, for each rank it notifies
+        self.of: Final = of  # how many parts each notified producer rank expects
+        self.pp_ranks: Final = pp_ranks  # the remote PP ranks involved, i.e. the engines waited for
+        self.position: Final = position  # (pp_rank, tp_rank) -> index in sources
+        self.all_read: Final = all_read  # the bit mask with one bit per source
+
+    def __repr__(self) -> str:
+        return (f"ReadPlan(sources={self.sources!r}, notify_only={self.notify_only!r}, part={self.part}, "
+                f"of={self.of}, pp_ranks={self.pp_ranks!r})")
 
 
 def tp_ratio(consumer_tp: int, producer_tp: int) -> int:

@@ -198,7 +198,9 @@ def _add_waiter(core: Core) -> None:
 
 def _snapshot(m: Any) -> dict[str, Any]:
     """Every slot; containers copied (states are compared by identity, so never copied)."""
-    names = getattr(type(m), "__slots__", None) or type(m).__mypyc_attrs__  # the compiled build's slots
+    # The compiled build lists a class's fields, its base's included; pure Python, each class its own.
+    names = getattr(type(m), "__mypyc_attrs__", None) or [
+        n for c in type(m).__mro__ for n in getattr(c, "__slots__", ())]
     values = {name: getattr(m, name) for name in names}
     return {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v for k, v in values.items()}
 
