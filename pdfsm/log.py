@@ -38,6 +38,9 @@ from pdfsm.records import MemorySink, Outcome, Record, Sink
 __all__ = ["EventLog", "MemorySink", "Outcome", "Overflow", "Record", "Sink"]
 
 _NONE: Final[Mapping[str, int]] = MappingProxyType({})
+# Whether each event class is derived (its DERIVED), by class: submit asks for every event, and
+# compiled code would look the class attribute up by name each time. Bounded by the classes.
+_DERIVED: Final[dict[type, bool]] = {}
 
 
 class Overflow(enum.Enum):
@@ -61,6 +64,7 @@ class EventLog:
         if window < 1 or inbox_limit < 1:
             raise ValueError("window and inbox_limit must be positive")
         self.inbox: Final[deque[Event]] = deque()
+        self._inbox_append: Final = self.inbox.append  # bound once: submit's one call
         self.window: Final[deque[Record]] = deque(maxlen=window)
         self.sink: Final = sink
         self.inbox_limit: Final = inbox_limit
@@ -82,12 +86,15 @@ class EventLog:
         Derived events (``DERIVED``) are the core's own conclusions and are refused: an adapter
         that could submit a ``Reported`` or an ``EngineReady`` could forge them.
         """
-        inbox = self.inbox
-        if ev.DERIVED:
-            raise InvalidInput("event", f"{type(ev).__name__} is derived by the core, never submitted")
-        if (len(inbox) >= self.inbox_limit or self._closed) and not self._make_room(ev):
+        kind = type(ev)
+        derived = _DERIVED.get(kind)
+        if derived is None:
+            derived = _DERIVED[kind] = bool(ev.DERIVED)
+        if derived:
+            raise InvalidInput("event", f"{kind.__name__} is derived by the core, never submitted")
+        if (len(self.inbox) >= self.inbox_limit or self._closed) and not self._make_room(ev):
             return  # counted: a closed log is never pumped again, so nothing is kept silently
-        inbox.append(ev)
+        self._inbox_append(ev)
 
     def _make_room(self, ev: Event) -> bool:
         if threading.get_ident() == self.owner and not self._closed:

@@ -258,13 +258,14 @@ def _hold_and_release(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
 
 
 def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
-    if _first_consumer(m, ev):
-        m.of, m.consumer = ev.of, ev.consumer
-        m.parts |= 1 << ev.part
+    consumer, of, part = ev.consumer, ev.of, ev.part  # read once: each read of an event is a lookup
+    if not m.of or consumer == m.consumer:  # _first_consumer, spelt out
+        m.of, m.consumer = of, consumer
+        m.parts |= 1 << part
     else:
         others = m.others = m.others or {}
-        if ev.consumer in others or len(others) < MAX_READERS:  # past the bound, one more marks it crowded
-            others[ev.consumer] = (ev.of, others.get(ev.consumer, (0, 0))[1] | 1 << ev.part)
+        if consumer in others or len(others) < MAX_READERS:  # past the bound, one more marks it crowded
+            others[consumer] = (of, others.get(consumer, (0, 0))[1] | 1 << part)
     if not m.issued:  # staged after a heartbeat, or a hold that did not say: the first to say names it
         m.issued = ev.issued_wall_ns
 
