@@ -195,6 +195,7 @@ class Core:
         # OrderedDict's bookkeeping costs more than this on the hot path).
         self._remembered: Final[dict[int, dict[Any, State]]] = {CONSUMER: {}, PRODUCER: {}, ENGINE: {}}
         self._remembered_order: Final[deque[Tombstone]] = deque()
+        self._oldest_tombstone_ns = 0  # the first one's t_ns (read per finished request: a native field)
         # Consumer requests to hand back at the next Collect, in order (always this one dict).
         self.ready_ids: Final[dict[str, None]] = {}
         self._staged: OrderedDict[str, None] = OrderedDict()  # early notifications only
@@ -365,11 +366,12 @@ class Core:
                             route.remembered[key] = dst
                             order = self._remembered_order
                             t = ev.t_ns
+                            if not order:
+                                self._oldest_tombstone_ns = t
                             order.append(Tombstone(t, route.target, key))
                             # Bounded by count and by age, so memory is flat in a long run at any rate.
-                            while order and (len(order) > self._tombstones or order[0].t_ns < t - self._tombstone_ns):
-                                old = order.popleft()
-                                self._remembered[old.target].pop(old.key, None)
+                            if len(order) > self._tombstones or self._oldest_tombstone_ns < t - self._tombstone_ns:
+                                self._forget_oldest(t)
                     if fault is None:
                         rec = Record(seq, cast(Any, ev), name, before, after, outcome, reason, None, cause)
                         seq += 1
@@ -407,6 +409,14 @@ class Core:
         finally:
             log.next_seq = seq
         return seq - first - n_derived  # one record per event applied
+
+    def _forget_oldest(self, t_ns: int) -> None:
+        """Forget remembered terminal states past the count bound or older than the age bound."""
+        order, horizon = self._remembered_order, t_ns - self._tombstone_ns
+        while order and (len(order) > self._tombstones or order[0].t_ns < horizon):
+            old = order.popleft()
+            self._remembered[old.target].pop(old.key, None)
+        self._oldest_tombstone_ns = order[0].t_ns if order else 0
 
     def _apply_core_event(self, ev: Event, cause: int | None) -> int:
         self.latest_t_ns = max(self.latest_t_ns, ev.t_ns)
