@@ -21,10 +21,11 @@ commands, and record nothing:
 All of them run in this process, in interleaved rounds (each first in turn, a ``gc.collect()``
 before each); medians are reported. pdfsm runs as installed: its hot path compiled with mypyc
 (setup.py), or pure Python (``PDFSM_PURE_PYTHON=1``); the table's first line says which. On the
-2-core development VM (Python 3.11, not PGO), 2026-11-27: compiled, pdfsm 0.87-0.92M events/s
-(1.1 us per recorded event) and 3.3-3.5x the dict baseline (2.4M/s), 1.8-1.9x the vLLM-style one;
-pure Python 0.57M/s and 5.3x (the goal asks 1M/s and 3x). A pair whose windows and tombstones
-are already full, as in a long run, is timed alongside (``long_run_*``): 0.68M/s, 4.0x.
+2-core development VM (Python 3.11, not PGO), 2026-11-28: compiled, pdfsm 1.04-1.10M events/s
+(0.9-1.0 us per recorded event) and 2.3-2.5x the dict baseline (2.0-2.2M/s), 1.5-1.6x the
+vLLM-style one; pure Python 0.50M/s and 5.1x (the goal asks 1M/s and 3x). A pair whose windows
+and tombstones are already full, as in a long run, is timed alongside (``long_run_*``):
+0.71-0.75M/s, 3.3-3.4x.
 
     python benchmarks/apply.py            # a table
     python benchmarks/apply.py --json     # one JSON object
