@@ -210,11 +210,15 @@ def stopped_requests_told_every_rank(w: World) -> None:
     records = w.records()
     failed = {(int(name[1:]), pp): t for name, recs in records.items() if name.startswith("D")
               for pp, t in _first_handshake_failures(recs).items()}
-    for (rank, rid), at in sorted(w.stopped_at.items()):
+    for (rank, rid), asked in sorted(w.stopped_at.items()):
+        i = int(rid[1:])
+        # A notify-only request tells the ranks once every stage of the plan is ready, or at its
+        # deadline the connected ones, unless that is past the trust bound (docs/decisions.md,
+        # "A notify-only request tells its stages together"): it stops when its core lets it go.
+        at = asked if w.blocks[i] else _let_go_at(records[f"D{rank}"], rid, asked)
         by = w.tell_by[(rank, rid)]
         if at >= by:
             continue
-        i = int(rid[1:])
         plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         untold = [(pp, tp) for pp, tp in ranks if (rank, w.prid(i), pp, tp) not in w.told
@@ -223,6 +227,14 @@ def stopped_requests_told_every_rank(w: World) -> None:
         if untold:
             w.fail(f"D{rank} stopped {rid} at {at} ns, before its producer's lease ran out, and never told "
                    f"producer ranks {untold}: they hold its blocks a whole lease")
+
+
+def _let_go_at(records: list[Record], rid: str, default: int) -> int:
+    """When the consumer request ``rid`` reached a terminal state (core ns), else ``default``."""
+    for t, r in _applied_at(records):
+        if r.machine == "consumer" and r.state in ("RELEASED", "FAILED") and getattr(r.event, "request_id", "") == rid:
+            return t
+    return default
 
 
 def _applied_at(records: list[Record]) -> Iterator[tuple[int, Record]]:
