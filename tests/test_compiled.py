@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import pdfsm
+from pdfsm.topology import Layout, read_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(pdfsm.__file__).parent
@@ -99,3 +100,15 @@ def test_logs_of_one_build_replay_without_divergence_in_the_other(tmp_path: Path
         out = _python(f"from pdfsm.cli import main; raise SystemExit(main(['replay', {str(logs)!r}]))", tmp_path,
                       pure=not writer_pure)  # exit 0: no record differs (3 would name the first that does)
         assert "decode-tp0" in out and "prefill-tp1" in out, out
+
+
+@pytest.mark.skipif(not pdfsm.COMPILED, reason=f"this install is not compiled: {pdfsm.HOT_PATH}")
+def test_a_read_plan_shared_by_every_request_cannot_be_changed() -> None:
+    """One plan serves every request between two layouts (read_plan caches it): its fields are
+    ``Final``, which mypy checks, and which the compiled build enforces (a Struct did, before
+    topology was compiled)."""
+    plan = read_plan(Layout(1, 1, 0, 0), Layout(1, 1, 0, 0), False)
+    assert read_plan(Layout(1, 1, 0, 0), Layout(1, 1, 0, 0), False) is plan
+    with pytest.raises(AttributeError):
+        plan.part = 1  # type: ignore[misc]
+    assert plan.part == 0
