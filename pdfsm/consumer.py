@@ -124,7 +124,10 @@ def times_of(ev: ReadRequested, core: Core) -> tuple[int, int]:
     before the producer's lease can end (after it the producer may have reused the blocks). The
     deadline, when the request gives up on reads still running, is the read timeout or, earlier,
     ``trust``. The read timeout is liveness, not safety: a read seen complete after it but well
-    inside the lease holds the right bytes. With the lease not known it is the only bound there is."""
+    inside the lease holds the right bytes. With the lease not known it is the only bound there is.
+
+    Remembers its last answer on the core (``times_for``, ``times``): a cache, not state, so the
+    guards that call it still change nothing a transition reads."""
     if ev is core.times_for:
         return core.times
     t_ns, deadline, lease_ns = ev.t_ns, ev.deadline, ev.lease_ns
