@@ -27,7 +27,7 @@ it implies none of the options after it hold, so it only saves their cost.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from pdfsm.commands import CancelRead, HandOff, PostRead, SendNotification
@@ -43,7 +43,6 @@ from pdfsm.events import (
     HandleFailed,
     Promised,
     Quarantined,
-    RankInfo,
     ReadRequested,
     Reported,
     Source,
@@ -183,14 +182,14 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> s
     # Every request runs this: each field of the params (a Struct) is read once, the reply's
     # from the engine's native copies (RemoteEngine.connect).
     port = req.port
-    if port and e.port and (port != e.port or req.host != e.host):  # e.elsewhere, spelt out
+    if e.elsewhere(req.host, port):
         return (f"the params place {req.engine_id} at {req.host}:{port}; pp_rank {pp} was handshaken at "
                 f"{e.host}:{e.port} (two engines share one engine id, or it moved)")
     r = e.reply
     if r is None:
         return None
     issued = req.issued_wall_ns
-    if issued and skew and e.started_ns - issued > skew:  # _predates, spelt out
+    if _predates(issued, e, skew):
         rank = max(r.ranks, key=lambda x: x.started_wall_ns)
         ahead = (rank.started_wall_ns - issued) / 1e9
         return (f"the params were issued {ahead:.3f} s before {req.engine_id} rank (pp {rank.pp_rank}, tp "
@@ -208,17 +207,16 @@ def _contradiction(e: RemoteEngine, req: ReadRequested, pp: int, skew: int) -> s
         stage = req.incarnation_pp
         if stage is None and remote_pp == 1:
             stage = 0
-        said = e.incarnations
-        if pp == stage and said and "" not in said and incarnation not in said:  # _foreign, spelt out
+        if pp == stage and _foreign(incarnation, e.incarnations):
             return _restarted(req, f"{req.engine_id} pp_rank {pp}'s ranks")
     return None
 
 
-def _predates(req: ReadRequested, e: RemoteEngine, skew: int) -> bool:
+def _predates(issued_wall_ns: int, e: RemoteEngine, skew: int) -> bool:
     """A rank of ``e`` started more than ``skew`` after the params were issued (both on wall
     clocks): a process that replaced the one that held them. One TP rank restarted alone keeps the
     minting rank's incarnation, so only the times tell (docs/decisions.md)."""
-    return bool(req.issued_wall_ns and skew) and e.started_ns - req.issued_wall_ns > skew
+    return bool(issued_wall_ns and skew) and e.started_ns - issued_wall_ns > skew
 
 
 def _restarted(req: ReadRequested, whose: str) -> str:
@@ -226,10 +224,10 @@ def _restarted(req: ReadRequested, whose: str) -> str:
             "restarted under the same engine id, and the blocks they name are another process's")
 
 
-def _foreign(req: ReadRequested, ranks: Iterable[RankInfo]) -> bool:
-    """The params were minted by none of these ranks (each says its incarnation)."""
-    said = {rank.incarnation for rank in ranks}
-    return bool(said) and "" not in said and req.incarnation not in said
+def _foreign(incarnation: str, said: frozenset[str]) -> bool:
+    """Params minted by ``incarnation`` were minted by none of the ranks that said these (every
+    rank says its incarnation: one that says none cannot be ruled out)."""
+    return bool(said) and "" not in said and incarnation not in said
 
 
 def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
@@ -249,8 +247,8 @@ def contradictions(req: ReadRequested, core: Core) -> Iterator[tuple[int, str]]:
     # PP params that do not say their minting stage (older producers): judged against every stage
     # at once, once all are connected; a plan that reads some stages only cannot tell.
     engines = [core.engines.get((req.engine_id, pp)) for pp in pps]
-    replies = [e.reply for e in engines if e is not None and e.state is CONNECTED and e.reply is not None]
-    if len(replies) == len(pps) == req.remote_pp and _foreign(req, (rank for r in replies for rank in r.ranks)):
+    said = [e.incarnations for e in engines if e is not None and e.state is CONNECTED and e.reply is not None]
+    if len(said) == len(pps) == req.remote_pp and _foreign(req.incarnation, frozenset().union(*said)):
         for pp in pps:
             yield pp, _restarted(req, f"{req.engine_id}'s ranks")
 
@@ -704,7 +702,7 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
     evict = set()
     for pp, _ in found:
         e = core.engines[(req.engine_id, pp)]
-        if not _predates(req, e, core.hold_skew_ns):
+        if not _predates(req.issued_wall_ns, e, core.hold_skew_ns):
             evict.add(pp)
             # The stale layout's stages past the params' PP size go too: no plan of these params
             # reads them, so nothing else would (a producer restarted with fewer PP stages: its old

@@ -117,24 +117,24 @@ def _completes_cleanly(m: ProducerRequest, ev: NotificationReceived, core: Core)
     part, of, issued = ev.part, ev.of, ev.issued_wall_ns
     return (0 <= part < of and m.parts == ((1 << of) - 1) ^ (1 << part) and m.of in (0, of)
             and (not issued or not m.issued or abs(issued - m.issued) <= core.hold_skew_ns)
-            and m.others is None and (not m.of or ev.consumer == m.consumer))
+            and m.others is None and _first_consumer(m, ev.consumer))
 
 
-def _first_consumer(m: ProducerRequest, ev: NotificationReceived) -> bool:
-    """``ev`` is from the consumer engine whose parts ``m.of`` and ``m.parts`` count (or the first)."""
-    return not m.of or ev.consumer == m.consumer
+def _first_consumer(m: ProducerRequest, consumer: str) -> bool:
+    """``consumer`` is the consumer engine whose parts ``m.of`` and ``m.parts`` count (or the first)."""
+    return not m.of or consumer == m.consumer
 
 
 def _counted(m: ProducerRequest, ev: NotificationReceived) -> tuple[int, int]:
     """(of, parts) counted so far for ``ev``'s consumer engine ((0, 0): none yet)."""
-    if _first_consumer(m, ev):
+    if _first_consumer(m, ev.consumer):
         return m.of, m.parts
     return (m.others or {}).get(ev.consumer, (0, 0))
 
 
 def _another_consumer(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool:
     """The first notice from a second consumer engine: the params went to two decode engines."""
-    return not _first_consumer(m, ev) and (m.others is None or ev.consumer not in m.others)
+    return not _first_consumer(m, ev.consumer) and (m.others is None or ev.consumer not in m.others)
 
 
 def _apart(a: int, b: int, core: Core) -> bool:
@@ -191,7 +191,7 @@ def _completes(m: ProducerRequest, ev: NotificationReceived, core: Core) -> bool
     """With this part, every consumer engine that notified has notified every part."""
     if _counted(m, ev)[1] | 1 << ev.part != (1 << ev.of) - 1:
         return False
-    if _first_consumer(m, ev):
+    if _first_consumer(m, ev.consumer):
         return _others_done(m, None)
     return m.parts == (1 << m.of) - 1 and _others_done(m, ev.consumer)
 
@@ -259,7 +259,7 @@ def _hold_and_release(m: ProducerRequest, ev: BlocksHeld, core: Core) -> None:
 
 def _count(m: ProducerRequest, ev: NotificationReceived, core: Core) -> None:
     consumer, of, part = ev.consumer, ev.of, ev.part  # read once: each read of an event is a lookup
-    if not m.of or consumer == m.consumer:  # _first_consumer, spelt out
+    if _first_consumer(m, consumer):
         m.of, m.consumer = of, consumer
         m.parts |= 1 << part
     else:

@@ -210,12 +210,16 @@ def stopped_requests_told_every_rank(w: World) -> None:
     records = w.records()
     failed = {(int(name[1:]), pp): t for name, recs in records.items() if name.startswith("D")
               for pp, t in _first_handshake_failures(recs).items()}
-    for (rank, rid), asked in sorted(w.stopped_at.items()):
+    # A request with blocks stops as it is handed back; a notify-only one when its core lets it go:
+    # it tells the ranks once every stage of the plan is ready, or at its deadline the connected
+    # ones, unless that is past the trust bound (docs/decisions.md, "A notify-only request tells
+    # its stages together").
+    stops = dict(w.stopped_at)
+    for (rank, rid), t in _let_go(records).items():
+        if (rank, rid) in w.requested and not w.blocks[int(rid[1:])]:
+            stops[(rank, rid)] = t
+    for (rank, rid), at in sorted(stops.items()):
         i = int(rid[1:])
-        # A notify-only request tells the ranks once every stage of the plan is ready, or at its
-        # deadline the connected ones, unless that is past the trust bound (docs/decisions.md,
-        # "A notify-only request tells its stages together"): it stops when its core lets it go.
-        at = asked if w.blocks[i] else _let_go_at(records[f"D{rank}"], rid, asked)
         by = w.tell_by[(rank, rid)]
         if at >= by:
             continue
@@ -229,12 +233,15 @@ def stopped_requests_told_every_rank(w: World) -> None:
                    f"producer ranks {untold}: they hold its blocks a whole lease")
 
 
-def _let_go_at(records: list[Record], rid: str, default: int) -> int:
-    """When the consumer request ``rid`` reached a terminal state (core ns), else ``default``."""
-    for t, r in _applied_at(records):
-        if r.machine == "consumer" and r.state in ("RELEASED", "FAILED") and getattr(r.event, "request_id", "") == rid:
-            return t
-    return default
+def _let_go(records: dict[str, list[Record]]) -> dict[tuple[int, str], int]:
+    """When each decode rank's consumer requests first reached a terminal state (core ns)."""
+    out: dict[tuple[int, str], int] = {}
+    for name, recs in records.items():
+        if name.startswith("D"):
+            for t, r in _applied_at(recs):
+                if r.machine == "consumer" and r.state in ("RELEASED", "FAILED"):
+                    out.setdefault((int(name[1:]), getattr(r.event, "request_id", "")), t)
+    return out
 
 
 def _applied_at(records: list[Record]) -> Iterator[tuple[int, Record]]:

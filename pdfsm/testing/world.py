@@ -327,7 +327,8 @@ class World:
         self._sent = 0
         self.requested: set[tuple[int, str]] = set()
         # A request's last moment to tell the producer (the lease its scheduler knew of when it
-        # asked, less the margin), and when it stopped: (rank, rid) -> core ns.
+        # asked, less the margin), and when one with blocks was handed back: (rank, rid) -> core ns
+        # (a notify-only request stops when its core lets it go: the invariant reads the records).
         self.tell_by: dict[tuple[int, str], int] = {}
         self.stopped_at: dict[tuple[int, str], int] = {}
         self.told: set[tuple[int, str, int, int]] = set()  # (rank, producer rid, pp, tp): a notice sent or tried
@@ -599,8 +600,6 @@ class World:
                       issued_wall_ns=self._issued(i))
         self.requested.add((rank, ev.request_id))
         self.tell_by[(rank, ev.request_id)] = (self.lease_seen[i] + s.lease_ns - s.lease_margin_ns) * UNIT_NS
-        if not self.blocks[i]:  # notify-only: it stops as it is asked
-            self.stopped_at.setdefault((rank, ev.request_id), self.t_ns)
         self._deliver_source(source, f"D{rank}", ev)
 
     def _issued(self, i: int) -> int:
