@@ -68,7 +68,7 @@ from pdfsm.events import (
 )
 from pdfsm.log import EventLog
 from pdfsm.producer import S as ProducerStates
-from pdfsm.topology import MAX_RANKS, ReadPlan, TopologyError
+from pdfsm.topology import MAX_KV_HEADS, MAX_RANKS, ReadPlan, TopologyError, heads_problem
 from pdfsm.wire import MAX_BLOCK_SIZE, MAX_EXTEND_NS, MAX_HASH_CHARS, MAX_ID_CHARS, HeartbeatMessage, Notification
 from transports.base import Clock, Handshaker, Transport
 
@@ -289,6 +289,12 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     _check_int("tp_rank", cfg.tp_rank, low=0, high=cfg.tp_size - 1)
     _check_int("pp_rank", cfg.pp_rank, low=0, high=cfg.pp_size - 1)
     _check_int("block_size", cfg.block_size, low=1, high=MAX_BLOCK_SIZE)
+    if _check_int("kv_heads", cfg.kv_heads, low=0, high=MAX_KV_HEADS):
+        if cfg.mla:  # MLA's latent is one head on every rank: a head count would say otherwise
+            raise InvalidInput("kv_heads", f"must be 0 with mla (one latent head on every rank), got {cfg.kv_heads}")
+        why = heads_problem(cfg.tp_size, cfg.kv_heads)
+        if why is not None:
+            raise InvalidInput("kv_heads", why)
     for name in ("read_timeout_ns", "lease_ns"):
         _check_int(name, getattr(cfg, name), low=1)
     for name in ("lease_margin_ns", "max_staged", "handshake_retry_ns", "handshake_timeout_ns", "tombstones",

@@ -547,7 +547,8 @@ class Core:
         key = (remote_tp, remote_pp)
         plan = self.plans.get(key)
         if plan is None:
-            plan = self.plans[key] = read_plan(self._local, Layout(remote_tp, remote_pp), self.config.mla)
+            plan = self.plans[key] = read_plan(self._local, Layout(remote_tp, remote_pp), self.config.mla,
+                                               self.config.kv_heads)
         return plan
 
     def engine_connected(self, key: EngineKey, host: str = "", port: int = 0) -> bool:

@@ -49,6 +49,7 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.fsm import Fault, Go, Ignore, Illegal, Machine, State, Table, on
+from pdfsm.topology import heads_problem
 
 if TYPE_CHECKING:
     from pdfsm.core import Core
@@ -170,6 +171,11 @@ def validate_reply(m: RemoteEngine, reply: HandshakeReply, core: Core) -> Handsh
         return LayoutMismatch(f"block sizes differ: local {cfg.block_size}, remote {reply.block_size}")
     if reply.mla != cfg.mla:
         return LayoutMismatch(f"MLA differs: local {cfg.mla}, remote {reply.mla}")
+    if reply.kv_heads != cfg.kv_heads:
+        return LayoutMismatch(f"KV heads differ: local {cfg.kv_heads}, remote {reply.kv_heads}")
+    why = heads_problem(reply.tp_size, cfg.kv_heads) if cfg.kv_heads else None
+    if why is not None:
+        return LayoutMismatch(f"remote TP {reply.tp_size}: {why}")
     if not 0 <= m.pp_rank < reply.pp_size:
         return LayoutMismatch(f"remote has PP size {reply.pp_size}, no pp_rank {m.pp_rank}")
     keys = sorted((r.pp_rank, r.tp_rank) for r in reply.ranks)

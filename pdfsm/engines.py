@@ -8,7 +8,8 @@ operations as JSON lines on stdin and reads results as JSON lines on stdout, mar
 ``PDFSM `` because NIXL writes log lines of its own to stdout. Nothing is pickled.
 
 KV layout: each worker registers ``layers`` tensors shaped ``[num_blocks, heads, head_bytes]``
-(heads are this rank's share: ``heads / tp``, or one replicated latent head with MLA), so a
+(heads are this rank's share, ``topology.heads_held``: ``heads / tp``, one head when the TP is
+larger, or one replicated latent head with MLA), so a
 block's heads are contiguous and a TP slice of a block is a contiguous range of heads. The
 bytes of request ``seed``, layer ``l``, the request's ``i``-th block and global head ``h`` are
 a deterministic function of those four, the same in every process: the decode side recomputes
@@ -66,6 +67,7 @@ from pdfsm.events import (
 from pdfsm.filelog import LogWriteError
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
+from pdfsm.topology import heads_held, heads_problem
 from pdfsm.wire import Notification
 
 __all__ = ["Engine", "log_name", "main", "request_bytes"]
@@ -119,8 +121,8 @@ class Worker:
         self.pp, self.tp = pp, tp
         # Every layer on some PP rank, the later ranks taking the remainder (as serving engines split them).
         self.layers = list(range(pp * args.layers // args.pp, (pp + 1) * args.layers // args.pp))
-        self.heads = 1 if args.mla else args.heads // args.tp
-        self.kv = [torch.zeros(args.num_blocks, self.heads, args.head_bytes, dtype=torch.uint8,
+        self.heads = range(1) if args.mla else heads_held(args.tp, tp, args.heads)  # of request_bytes' heads
+        self.kv = [torch.zeros(args.num_blocks, len(self.heads), args.head_bytes, dtype=torch.uint8,
                                device=args.kv_device) for _ in self.layers]
         # A restarted engine has a new id: a new log. The id itself is in the segment headers.
         name = f"{log_name(args.engine_id)}-pp{pp}-tp{tp}"
@@ -133,7 +135,8 @@ class Worker:
         self.sink = FileSink(self.log_dir, metadata={"engine_id": args.engine_id, "worker": name,
                                                      "writer": DEMO_WRITER}, fresh=True)
         config = CoreConfig(engine_id=args.engine_id, tp_rank=tp, tp_size=args.tp, pp_rank=pp, pp_size=args.pp,
-                            mla=args.mla, compat_hash=args.compat_hash, lease_ns=int(args.lease_s * 1e9),
+                            mla=args.mla, kv_heads=0 if args.mla else args.heads, compat_hash=args.compat_hash,
+                            lease_ns=int(args.lease_s * 1e9),
                             read_timeout_ns=int(args.read_timeout_s * 1e9), policy=args.policy,
                             lease_margin_ns=int(args.lease_margin_s * 1e9))
         self.transport = _transport(args, f"{name}-{os.getpid()}", self.kv, pp, tp, self.layers)
@@ -231,7 +234,8 @@ class Engine:
         a = self.args
         ranks = tuple(w.transport.rank_info() for w in self.workers if w.pp == pp_rank)
         return HandshakeReply(engine_id=a.reply_engine_id or a.engine_id, compat_hash=a.compat_hash, tp_size=a.tp,
-                              pp_size=a.pp, block_size=16, num_blocks=a.num_blocks, mla=a.mla, ranks=ranks)
+                              pp_size=a.pp, block_size=16, num_blocks=a.num_blocks, mla=a.mla, ranks=ranks,
+                              kv_heads=0 if a.mla else a.heads)
 
     # --- operations from the parent -----------------------------------------------------------
 
@@ -248,7 +252,7 @@ class Engine:
         for w in self.workers:
             for k, layer in enumerate(w.layers):
                 full = request_bytes(op.seed, layer, op.blocks, 1 if a.mla else a.heads, a.head_bytes)
-                mine = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
+                mine = full[:, w.heads.start:w.heads.stop]
                 w.kv[k].index_copy_(0, index, mine.to(a.kv_device))
         issued = time.time_ns()  # one stamp for every rank's hold: notifications name it exactly
         minted: list[KVTransferParams] = []  # every rank's hold: the params name all of them alike
@@ -431,7 +435,7 @@ class Engine:
         for w in self.workers:
             for k, layer in enumerate(w.layers):
                 full = request_bytes(seed, layer, len(blocks), 1 if a.mla else a.heads, a.head_bytes)
-                want = full if a.mla else full[:, w.tp * w.heads:(w.tp + 1) * w.heads]
+                want = full[:, w.heads.start:w.heads.stop]
                 if not torch.equal(w.kv[k].index_select(0, index).cpu(), want):
                     return False
         return True
@@ -496,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pp", action="store_true", help="the transport cannot serve pp_rank > 0")
     p.add_argument("--mla", action="store_true")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=HEADS, help="the model's KV heads, shared out over the TP ranks")
+    p.add_argument("--heads", type=int, default=HEADS,
+                   help="the model's KV heads, shared out over the TP ranks (more ranks than heads hold copies)")
     p.add_argument("--head-bytes", type=int, default=256)
     p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
     p.add_argument("--policy", choices=("recompute", "fail"), default="recompute")
@@ -517,9 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--kv-device {args.kv_device}: not available here (torch sees "
               f"{torch.cuda.device_count()} CUDA devices); use cpu", file=sys.stderr)
         return 2
-    if not args.mla and (args.heads < 1 or args.heads % args.tp):  # a remainder is cut off; 0 heads move nothing
-        print(f"--heads {args.heads}: must be at least 1, and each of the --tp {args.tp} ranks holds an equal "
-              f"share of the KV heads, so {args.tp} must divide it (or --mla: one latent head on every rank)",
+    problem = None if args.mla else heads_problem(args.tp, args.heads)
+    if problem:  # a remainder would be cut off; 0 heads move nothing
+        print(f"--heads {args.heads} --tp {args.tp}: {problem} (or --mla: one latent head on every rank)",
               file=sys.stderr)
         return 2
     import logging

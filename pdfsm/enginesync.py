@@ -115,7 +115,7 @@ def _unpack(buffer: bytes, group_rank: int) -> str:
 
 
 _FINGERPRINTS: Final = 1 << 62  # fingerprint digests are below this: f and -f both fit an int64
-_SHARED_FIELDS: Final = ("tp_size", "pp_size", "mla", "block_size", "compat_hash")
+_SHARED_FIELDS: Final = ("tp_size", "pp_size", "mla", "kv_heads", "block_size", "compat_hash")
 
 
 def _as_int(value: Any) -> int | None:
@@ -273,8 +273,8 @@ def _sync(
         raise InvalidInput("fingerprint", f"{why}; no rank adopted an id")
     if f_high != -f_low:
         raise InvalidInput("fingerprint", "the ranks of the group differ (one engine's ranks must share its "
-                                          "layout: tp_size, pp_size, mla, block_size, compat_hash); "
-                                          "no rank adopted an id")
+                                          "layout: tp_size, pp_size, mla, kv_heads, block_size, "
+                                          "compat_hash); no rank adopted an id")
     if id_rank:
         if isinstance(encoded, str):
             raise InvalidInput("engine_id", f"{encoded} (group rank {me}); no rank adopted an id")

@@ -115,6 +115,10 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     pp_rank: int = 0
     pp_size: int = 1
     mla: bool = False
+    # The model's KV heads over all TP ranks (0: not said; every rank then holds a distinct
+    # share). Said, a TP larger than it on either side works: ranks holding the same head are
+    # read once (topology.heads_held). Both engines must say the same.
+    kv_heads: int = 0
     compat_hash: str = ""
     block_size: int = 16
     supports_pp: bool = True
@@ -431,6 +435,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     num_blocks: int = 0
     mla: bool = False
     ranks: tuple[RankInfo, ...] = ()
+    kv_heads: int = 0  # CoreConfig.kv_heads (last: a log or peer from before it reads 0)
 
 
 class EngineWanted(_EngineEvent, frozen=True):

@@ -60,6 +60,7 @@ from pdfsm.filelog import read_log
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
 from pdfsm.replay import render, replay, summarize
+from pdfsm.topology import heads_problem
 
 __all__ = ["Outcome", "UsageError", "add_arguments", "check_options", "check_sizes", "main", "run", "run_command"]
 
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--prefill-pp", type=int, default=1)
     p.add_argument("--mla", action="store_true", help="replicated latent KV: a consumer rank reads one producer rank")
+    p.add_argument("--kv-heads", type=int, default=HEADS,
+                   help=f"the model's KV heads ({HEADS}); a TP larger than them holds copies, read once")
     p.add_argument("--no-pp", action="store_true", help="the decode transport cannot serve pp_rank > 0")
     p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most")
     p.add_argument("--in-flight", type=int, default=8)
@@ -121,9 +124,11 @@ def check_options(args: argparse.Namespace) -> None:
     if args.prefill_pp > LAYERS:
         raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
     for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
-        if not args.mla and HEADS % tp:  # each rank holds an equal share of the heads (or --mla: one latent head)
-            raise UsageError(f"{flag} {tp}: the demo model's {HEADS} KV heads cannot be shared out equally over "
-                             f"{tp} ranks (or --mla)")
+        why = None if args.mla else heads_problem(tp, args.kv_heads)  # (--mla: one latent head on every rank)
+        if why is not None:
+            raise UsageError(f"{flag} {tp} --kv-heads {args.kv_heads}: {why} (or --mla)")
+    if args.mla and args.kv_heads != HEADS:
+        raise UsageError(f"--kv-heads {args.kv_heads} with --mla: MLA's latent is one head on every rank")
     if args.abort < 0:
         raise UsageError(f"--abort {args.abort}: a count of requests, at least 0")
     if not args.lease_s > LEASE_MARGIN_S:  # a read must end this long before the lease: none could
@@ -273,8 +278,7 @@ def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str
     argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(tp),
             "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
             "--layers", str(LAYERS), "--lease-s", str(lease), "--log-dir", str(log_dir), "--kv-device", args.kv_device]
-    if args.mla:
-        argv.append("--mla")
+    argv += ["--mla"] if args.mla else ["--heads", str(args.kv_heads)]
     if prefill:
         if "wrong-engine-id" in faults:
             argv += ["--reply-engine-id", "prefill-node1"]

@@ -36,7 +36,7 @@ import structlog
 from pdfsm.commands import StartHandshake
 from pdfsm.errors import PdfsmError
 from pdfsm.events import HandshakeDone, HandshakeFailed, HandshakeReply, Source
-from pdfsm.topology import MAX_RANKS
+from pdfsm.topology import MAX_KV_HEADS, MAX_RANKS
 from pdfsm.wire import MAX_BLOCK_SIZE, MAX_HASH_CHARS, MAX_ID_CHARS, Codec, WireError
 from transports.base import Clock, Submit
 
@@ -146,7 +146,7 @@ def check_reply(reply: HandshakeReply) -> None:
             ("len(compat_hash)", len(reply.compat_hash), MAX_HASH_CHARS),
             ("tp_size", reply.tp_size, MAX_RANKS), ("pp_size", reply.pp_size, MAX_RANKS),
             ("block_size", reply.block_size, MAX_BLOCK_SIZE), ("num_blocks", reply.num_blocks, 1 << 48),
-            ("len(ranks)", len(reply.ranks), MAX_RANKS)]
+            ("len(ranks)", len(reply.ranks), MAX_RANKS), ("kv_heads", reply.kv_heads, MAX_KV_HEADS)]
     for i, r in enumerate(reply.ranks[:MAX_RANKS]):
         rows += [(f"ranks[{i}].pp_rank", r.pp_rank, MAX_RANKS - 1), (f"ranks[{i}].tp_rank", r.tp_rank, MAX_RANKS - 1),
                  (f"len(ranks[{i}].agent)", len(r.agent), MAX_ID_CHARS),

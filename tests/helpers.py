@@ -60,7 +60,7 @@ def handshake(core: Core, engine: str = "P", *, pp_rank: int = 0, tp_size: int =
     """Complete a pending handshake with a valid reply, then the transport adds the peer."""
     core.apply(ev(HandshakeDone, t, engine_id=engine, pp_rank=pp_rank, attempt=attempt,
                   reply=reply(engine, tp_size=tp_size, pp_rank=pp_rank, mla=core.config.mla,
-                              block_size=core.config.block_size)))
+                              kv_heads=core.config.kv_heads, block_size=core.config.block_size)))
     core.apply(ev(PeerAdded, t, engine_id=engine, pp_rank=pp_rank, attempt=attempt))
 
 

@@ -80,6 +80,17 @@ def test_mla_reads_one_producer_rank_and_notifies_the_other(tmp_path: Path) -> N
     assert out.outcomes == {"received": 6} and out.released == 6 and out.expired == 0
 
 
+@pytest.mark.parametrize("argv", [("--prefill-tp", "1", "--decode-tp", "4", "--kv-heads", "2"),
+                                  ("--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "1", "--prefill-pp", "2")])
+def test_a_tp_above_the_models_kv_heads_reads_each_head_once(tmp_path: Path, argv: tuple[str, ...]) -> None:
+    """More ranks than KV heads (vLLM's replicated heads): decode ranks holding the same head each
+    read it from the prefill rank holding it; prefill ranks holding copies of a head already read
+    are told, not read. Every byte verified, every hold released by notification, no violation."""
+    out = run(tmp_path, *argv)
+    assert out.outcomes == {"received": 6} and out.released == 6 and out.expired == 0
+    assert out.accounting["prefill"].remote_violations == 0 and out.accounting["decode"].remote_violations == 0
+
+
 def test_a_producer_killed_mid_transfer(tmp_path: Path) -> None:
     """SIGKILL once the producer has handed a request's params on, before the decode side reads:
     that request fails with the recompute policy (its blocks reported invalid to the scheduler),

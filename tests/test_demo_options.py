@@ -152,6 +152,9 @@ def test_more_blocks_in_flight_than_an_engine_holds_is_refused_up_front() -> Non
     (("--requests", "150", "--fault", "compat-hash"), "stay held on the prefill side until its lease ends"),
     (("--requests", "8", "--fault", "wrong-engine-id", "--fault", "forge-notification"), "forge-notification needs"),
     (("--requests", "8", "--prefill-pp", "2", "--no-pp", "--fault", "forge-notification"), "--no-pp with"),
+    (("--prefill-tp", "4", "--kv-heads", "3"), "--prefill-tp 4 --kv-heads 3: the model's 3 KV heads do not divide"),
+    (("--kv-heads", "0"), "--prefill-tp 2 --kv-heads 0: KV heads must be 1 to"),
+    (("--mla", "--kv-heads", "2"), "--kv-heads 2 with --mla"),
 ])
 def test_runs_that_could_only_fail_are_refused_before_any_engine_starts(argv: tuple[str, ...], match: str) -> None:
     """Found by review: each started both engines and ended in a traceback (an infinite lease), or

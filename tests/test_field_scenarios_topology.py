@@ -13,8 +13,11 @@ import pytest
 from helpers import SimPair, collect, ev, handshake, make_core, notes, read, reply, stop_while_handshaking
 
 from pdfsm.commands import HandOff, PostRead, SendNotification, StartHandshake
+from pdfsm.connector import Connector
+from pdfsm.errors import InvalidInput, LayoutMismatch
 from pdfsm.events import (
     AbortRequested,
+    CoreConfig,
     HandleDone,
     HandleFailed,
     HandleFailure,
@@ -24,7 +27,11 @@ from pdfsm.events import (
     PeerDisconnected,
     RankInfo,
 )
-from transports.sim import pattern
+from pdfsm.fsm import Fault
+from pdfsm.sidechannel import check_reply
+from pdfsm.topology import MAX_KV_HEADS
+from pdfsm.wire import WireError
+from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
 LEASE = 120_000_000_000
 
@@ -274,3 +281,96 @@ def test_a_stage_of_a_replaced_process_neither_blocks_an_owed_notice_nor_delays_
     assert sent == [(0, "p-r")]
     core.apply(read("d", remote_pp=2, t=21))
     assert [c.pp_rank for c in core.take_commands() if isinstance(c, StartHandshake)] == [1]
+
+
+# --- a TP above the model's KV heads (GQA heads replicated over ranks) ------------------------------
+
+
+def test_vllm_tp_above_kv_heads_decode_rank_reads_its_replicated_head_once() -> None:
+    """vLLM's NixlConnector (``is_kv_replicated``: a TP larger than the model's KV heads, e.g. 2 KV
+    heads at decode TP 4): each decode rank holds one head, two ranks the same one. Told the
+    heads (``kv_heads``), a decode rank reads its head as a slice of the producer's block (half of
+    it, not a quarter) and is one of the four parts the producer rank expects."""
+    core = make_core(tp_size=4, tp_rank=3, kv_heads=2)
+    core.apply(read("r1", remote_tp=1))
+    handshake(core)
+    (post,) = [c for c in core.take_commands() if isinstance(c, PostRead)]
+    src = post.source
+    assert (src.tp_rank, src.remote_slice, src.remote_slices, src.local_slices) == (0, 1, 2, 1)
+    assert (post.notification.part, post.notification.of) == (3, 4)
+
+
+def test_vllm_tp_above_kv_heads_on_the_prefill_side_reads_each_head_once_and_tells_the_copies() -> None:
+    """2 KV heads at prefill TP 4, decode TP 1 (SGLang maps the copies; vLLM reads one of each):
+    the decode rank reads prefill ranks 0 and 2 (heads 0 and 1) into its two head slices and
+    tells ranks 1 and 3, which hold copies, that they may release: every rank hears once."""
+    core = make_core(kv_heads=2)
+    core.apply(read("r1", remote_tp=4))
+    handshake(core, tp_size=4)
+    posts = [c for c in core.take_commands() if isinstance(c, PostRead)]
+    assert [(c.source.tp_rank, c.source.local_slice, c.source.local_slices) for c in posts] == [(0, 0, 2), (2, 1, 2)]
+    assert all(c.notification.of == 1 for c in posts)  # a read's notification follows its bytes
+    for c in posts:
+        core.apply(ev(HandleDone, request_id="r1", pp_rank=0, tp_rank=c.source.tp_rank))
+    told = sorted(c.tp_rank for c in core.take_commands() if isinstance(c, SendNotification))
+    assert told == [1, 3]  # the copies, once the request is received
+
+
+@pytest.mark.parametrize(("local", "remote", "why"), [
+    (2, 4, "KV heads differ: local 2, remote 4"),
+    (2, 0, "KV heads differ: local 2, remote 0"),
+    (0, 2, "KV heads differ: local 0, remote 2"),
+])
+def test_engines_saying_different_kv_heads_is_a_remote_layout_failure(local: int, remote: int, why: str) -> None:
+    """Both engines must say the same heads (the plan of one would move wrong bytes for the other):
+    a typed layout failure blamed on the remote side, the request failed with its policy."""
+    core = make_core(strict=False, tp_size=4, kv_heads=local)
+    core.apply(read("r1", remote_tp=1))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply("P", kv_heads=remote)))
+    engine = core.engines[("P", 0)]
+    assert engine.state.name == "FAILED" and isinstance(engine.error, LayoutMismatch)
+    assert why in str(engine.error)
+    assert [r.fault for r in core.log.records() if r.fault is not None][-1] is Fault.REMOTE
+    core.take_commands()
+    (off,) = [c for c in collect(core) if isinstance(c, HandOff)]
+    assert off.outcome == "failed" and off.request_id == "r1"
+
+
+def test_a_producer_tp_its_heads_cannot_be_shared_over_fails_at_the_load_or_the_handshake() -> None:
+    """16 prefill ranks over 8 heads are fine (two hold each); 6 over 4 cannot be: params naming
+    that TP fail the request at once, and a reply saying it fails the handshake (remote)."""
+    core = make_core(strict=False, kv_heads=8)
+    core.apply(read("r1", remote_tp=16))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply("P", tp_size=16, kv_heads=8)))
+    assert core.engines[("P", 0)].state.name == "CONNECTING"  # accepted: the transport adds the peer next
+    core = make_core(strict=False, kv_heads=4)
+    core.apply(read("r1", remote_tp=6))
+    assert core.consumers["r1"].state.name == "FAILED" and not core.engines
+    core = make_core(strict=False, kv_heads=4)
+    core.apply(read("r1", remote_tp=1))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply("P", tp_size=6, kv_heads=4)))
+    engine = core.engines[("P", 0)]
+    assert engine.state.name == "FAILED" and isinstance(engine.error, LayoutMismatch)
+    assert "remote TP 6: the model's 4 KV heads do not divide TP 6" in str(engine.error)
+
+
+@pytest.mark.parametrize(("cfg", "why"), [
+    ({"kv_heads": 3, "tp_size": 2}, "TP 2 does not divide the model's 3 KV heads"),
+    ({"kv_heads": 2, "tp_size": 3}, "the model's 2 KV heads do not divide TP 3"),
+    ({"kv_heads": 1, "mla": True}, "must be 0 with mla"),
+    ({"kv_heads": -1}, "must be an int in 0.."),
+    ({"kv_heads": MAX_KV_HEADS + 1}, "must be an int in 0.."),
+    ({"kv_heads": True}, "must be an int in 0.."),
+])
+def test_a_config_whose_kv_heads_cannot_be_held_is_refused_naming_kv_heads(cfg: dict[str, Any], why: str) -> None:
+    net = SimNetwork()
+    transport = SimTransport(net, "D-0", num_blocks=4, block_bytes=8)
+    with pytest.raises(InvalidInput, match=why) as got:
+        Connector(CoreConfig(engine_id="D", **cfg), transport, SimHandshaker(net))
+    assert got.value.field == "kv_heads"
+
+
+def test_the_side_channel_bounds_a_replys_kv_heads() -> None:
+    check_reply(reply("P", kv_heads=MAX_KV_HEADS))
+    with pytest.raises(WireError, match="kv_heads"):
+        check_reply(reply("P", kv_heads=MAX_KV_HEADS + 1))

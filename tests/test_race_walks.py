@@ -28,6 +28,8 @@ SHAPES = {
     "mla12": Scenario(requests=2, producer_tp=2, mla=True, faults=_F),
     "mla21": Scenario(requests=2, consumer_tp=2, producer_tp=1, mla=True, faults=_F),
     "mla24": Scenario(requests=2, consumer_tp=2, producer_tp=4, mla=True, faults=_F),
+    "heads14": Scenario(requests=2, consumer_tp=1, producer_tp=4, kv_heads=2, faults=_F),  # read 2 ranks, tell 2
+    "heads41": Scenario(requests=2, consumer_tp=4, producer_tp=2, kv_heads=1, faults=_F),
     "pp2": Scenario(requests=2, producer_pp=2, producer_tp=2, faults=_F),
     "pp2-no-pp": Scenario(requests=2, producer_pp=2, supports_pp=False, faults=_F),
     "notify-only": Scenario(requests=3, notify_only=(0, 2), producer_tp=2, faults=_F),

@@ -1,7 +1,8 @@
 """End-to-end byte checks of heterogeneous topologies through the Connector (review).
 
 Prefill TP 1/2/4 x decode TP 1/2/4, MLA on and off, producer PP 2 read by a consumer with PP 1
-and with PP 2, block sizes 1, 4 and 16 tokens, non-contiguous block tables; over the torch
+and with PP 2, models with fewer KV heads than a TP (1 or 2: ranks hold copies of a head),
+block sizes 1, 4 and 16 tokens, non-contiguous block tables; over the torch
 transport (one region per layer and K/V, HND: ``[blocks, heads, tokens, dim]``, heads outermost;
 MLA: one replicated latent region per layer) and the sim transport (one region per rank: a block
 is ``[heads, layers, K/V, tokens, dim]``, heads still outermost, so a TP slice is a head range).
@@ -37,7 +38,7 @@ from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams, Step
 from pdfsm.consumer import S as ConsumerS
 from pdfsm.events import CoreConfig, HandleFailure, HandshakeReply, NotificationReceived
 from pdfsm.fsm import Fault
-from pdfsm.topology import Layout, ReadPlan, expected_notifications, read_plan
+from pdfsm.topology import Layout, ReadPlan, expected_notifications, heads_held, read_plan
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport
 from transports.torch import TorchNetwork, TorchTransport
 
@@ -82,6 +83,7 @@ class Topo:
     d_pp: int
     block_size: int = 4
     table: int = 0
+    kv: int = 0  # the model's KV heads, said to both engines (0: not said; H heads, no TP above them)
 
     @property
     def remote(self) -> tuple[int, ...]:
@@ -107,8 +109,7 @@ class Topo:
     def heads(self, tp: int, tp_size: int) -> range:
         if self.mla:
             return range(1)  # the latent is replicated on every rank
-        n = H // tp_size
-        return range(tp * n, (tp + 1) * n)
+        return heads_held(tp_size, tp, self.kv or H)
 
     def region_id(self, layer: int, kv: int) -> int:
         return layer if self.mla else 2 * layer + kv
@@ -130,7 +131,7 @@ class Topo:
                          for x in layers], axis=1)
 
     def plan(self, q: int, d: int) -> ReadPlan:
-        return read_plan(Layout(self.d_tp, self.d_pp, d, q), Layout(self.p_tp, self.p_pp), self.mla)
+        return read_plan(Layout(self.d_tp, self.d_pp, d, q), Layout(self.p_tp, self.p_pp), self.mla, self.kv)
 
     def notifiers(self, pp: int, tp: int) -> set[Key]:
         """The consumer ranks that owe producer rank (pp, tp) a notification."""
@@ -143,7 +144,7 @@ class Topo:
 
     def __str__(self) -> str:
         return (f"{self.kind}-P{self.p_tp}x{self.p_pp}-D{self.d_tp}x{self.d_pp}-{'mla' if self.mla else 'mha'}"
-                f"-bs{self.block_size}-t{self.table}")
+                f"-bs{self.block_size}-t{self.table}{f'-kv{self.kv}' if self.kv else ''}")
 
 
 # --- fault injection (test side only) ------------------------------------------------------------
@@ -243,7 +244,7 @@ class World:
     def _reply(self, pp: int) -> HandshakeReply:
         t = self.topo
         return HandshakeReply(engine_id="P", compat_hash="m", tp_size=t.p_tp, pp_size=t.p_pp, block_size=t.block_size,
-                              num_blocks=P_BLOCKS, mla=t.mla,
+                              num_blocks=P_BLOCKS, mla=t.mla, kv_heads=t.kv,
                               ranks=tuple(self.p[(pp, tp)].transport.rank_info() for tp in range(t.p_tp)))
 
     def _transport(self, side: str, pp: int, tp: int) -> Any:
@@ -280,7 +281,7 @@ class World:
         transport = self._transport(side, pp, tp)
         tp_size, pp_size = (t.p_tp, t.p_pp) if side == "P" else (t.d_tp, t.d_pp)
         cfg = CoreConfig(engine_id=side, tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size, mla=t.mla,
-                         compat_hash="m", block_size=t.block_size, strict=strict, lease_ns=LEASE,
+                         kv_heads=t.kv, compat_hash="m", block_size=t.block_size, strict=strict, lease_ns=LEASE,
                          lease_margin_ns=MARGIN, read_timeout_ns=6 * LEASE)
         conn = Connector(cfg, transport, SimHandshaker(self.net), clock=self.clock, host=f"{side.lower()}-host", port=5)
         return Rank((pp, tp), conn, transport)
@@ -442,13 +443,26 @@ def _grid() -> list[Topo]:
     return out
 
 
-GRID = _grid()
+def _replicated() -> list[Topo]:
+    """Fewer KV heads than a TP on either side or both, every PP split."""
+    out = []
+    for i, (kind, (p_tp, d_tp, kv), pp) in enumerate(itertools.product(
+            KINDS, ((1, 4, 2), (4, 1, 2), (2, 4, 1), (4, 2, 1), (4, 4, 2), (1, 2, 1)), ((1, 1), (2, 1), (2, 2)))):
+        if kind == "sim" and pp == (2, 1):
+            continue
+        out.append(Topo(kind, p_tp, d_tp, False, pp[0], pp[1], block_size=(1, 4, 16)[i % 3], table=i % 2, kv=kv))
+    return out
+
+
+GRID = _grid() + _replicated()
 
 FAULT_LAYOUTS = ((1, 1, False, 1, 1), (4, 1, False, 1, 1), (1, 4, False, 1, 1), (2, 4, True, 1, 1),
                  (4, 2, True, 2, 1), (2, 1, False, 2, 2), (1, 2, True, 2, 2), (4, 4, False, 2, 1))
 FAULT_GRID = [Topo(kind, p, d, mla, ppp, dpp, block_size=(4, 16)[i % 2], table=i % 2)
               for i, (kind, (p, d, mla, ppp, dpp)) in enumerate(itertools.product(KINDS, FAULT_LAYOUTS))
-              if not (kind == "sim" and (ppp, dpp) == (2, 1))]
+              if not (kind == "sim" and (ppp, dpp) == (2, 1))] + [
+    Topo(kind, p, d, False, 1, 1, block_size=4, table=i % 2, kv=kv)  # heads read once, copies told
+    for i, (kind, (p, d, kv)) in enumerate(itertools.product(KINDS, ((4, 1, 2), (1, 4, 2), (4, 2, 1))))]
 
 
 # --- every topology, no fault ------------------------------------------------------------------------

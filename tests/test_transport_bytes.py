@@ -9,8 +9,9 @@ list, and topology invariants (every head of every layer of every consumer rank 
 once; every producer rank hears exactly the parts it expects).
 
 KV layout (as pdfsm/engines.py): every region is ``[num_blocks, heads, head_bytes]`` with this
-rank's heads (``H / tp``, or one replicated latent head with MLA), so a TP slice of a block is a
-contiguous range of heads.
+rank's heads (``H / tp``; one head, held by several ranks, when the TP is larger than the model's
+heads, which the plan is then told; or one replicated latent head with MLA), so a TP slice of a
+block is a contiguous range of heads.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 
 from pdfsm.commands import PostRead
 from pdfsm.events import HandleDone, HandleFailed, HandshakeReply, NotificationReceived
-from pdfsm.topology import Layout, ReadSource, expected_notifications, read_plan
+from pdfsm.topology import Layout, ReadSource, expected_notifications, heads_held, heads_problem, read_plan
 from pdfsm.wire import Notification
 from transports.coalesce import Region, read_descs, read_indices, slice_span
 from transports.sim import SimNetwork, SimTransport
@@ -65,8 +66,10 @@ class Scenario:
     def __init__(self, *, p_tp: int, d_tp: int, p_pp: int, d_pp: int, layers: int, heads: int, head_bytes: int,
                  mla: bool, p_blocks: int, d_blocks: int, remote: list[int], local: list[int],
                  p_orders: dict[tuple[int, int], list[int]], d_orders: dict[tuple[int, int], list[int]],
-                 seed: int, dtype: torch.dtype = torch.uint8, shared: bool = False, chunk: int = 4 << 20) -> None:
+                 seed: int, dtype: torch.dtype = torch.uint8, shared: bool = False, chunk: int = 4 << 20,
+                 kv_heads: int = 0) -> None:
         self.dtype, self.shared, self.chunk = dtype, shared, chunk
+        self.kv_heads = kv_heads  # what both engines say (CoreConfig.kv_heads): needed once a TP exceeds heads
         self.p_tp, self.d_tp, self.p_pp, self.d_pp = p_tp, d_tp, p_pp, d_pp
         self.layers, self.heads, self.head_bytes, self.mla = layers, heads, head_bytes, mla
         self.p_blocks, self.d_blocks = p_blocks, d_blocks
@@ -89,7 +92,7 @@ class Scenario:
                 f"layers={self.layers}, heads={self.heads}, head_bytes={self.head_bytes}, mla={self.mla}, "
                 f"p_blocks={self.p_blocks}, d_blocks={self.d_blocks}, remote={self.remote_all}, "
                 f"local={self.local}, p_orders={self.p_orders}, d_orders={self.d_orders}, dtype={self.dtype}, "
-                f"shared={self.shared}, chunk={self.chunk})")
+                f"shared={self.shared}, chunk={self.chunk}, kv_heads={self.kv_heads})")
 
     def registered(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` (uint8) as the transport registers them: viewed as ``dtype``, and
@@ -105,13 +108,17 @@ class Scenario:
             out = [t.clone() for t in tensors]
         return [t.view(self.dtype) for t in out]
 
+    def held(self, tp_size: int, rank: int) -> range:
+        """The model heads a rank holds (MLA: the one latent head, on every rank)."""
+        return range(1) if self.mla else heads_held(tp_size, rank, self.heads)
+
     @property
     def p_heads(self) -> int:
-        return 1 if self.mla else self.heads // self.p_tp
+        return len(self.held(self.p_tp, 0))
 
     @property
     def d_heads(self) -> int:
-        return 1 if self.mla else self.heads // self.d_tp
+        return len(self.held(self.d_tp, 0))
 
     def p_layers(self, pp: int) -> list[int]:
         n = self.layers // self.p_pp
@@ -125,19 +132,21 @@ class Scenario:
         """Producer rank (pp, t)'s region of ``layer``: its heads of every block."""
         assert layer in self.p_layers(pp)
         full = self.model[layer]
-        return full.clone() if self.mla else full[:, t * self.p_heads:(t + 1) * self.p_heads].clone()
+        heads = self.held(self.p_tp, t)
+        return full[:, heads.start:heads.stop].clone()
 
     def expected(self, q: int, d: int, layer: int) -> torch.Tensor:
         """The reference: what consumer rank (q, d)'s region of ``layer`` must hold after the read."""
         want = self.d_init[(q, d)][layer].clone()
         full = self.model[layer]
-        mine = full if self.mla else full[:, d * self.d_heads:(d + 1) * self.d_heads]
+        heads = self.held(self.d_tp, d)
+        mine = full[:, heads.start:heads.stop]
         if self.local:
             want[self.local] = mine[self.remote]
         return want
 
     def plan(self, q: int, d: int) -> Any:
-        return read_plan(Layout(self.d_tp, self.d_pp, d, q), Layout(self.p_tp, self.p_pp), self.mla)
+        return read_plan(Layout(self.d_tp, self.d_pp, d, q), Layout(self.p_tp, self.p_pp), self.mla, self.kv_heads)
 
 
 @st.composite
@@ -187,6 +196,10 @@ def scenarios(draw: st.DrawFn, *, pp: bool = True, max_tp: int = 4, one_layer: b
     d_pp = draw(st.sampled_from([1, p_pp]))
     layers = 1 if one_layer else p_pp * draw(st.integers(1, 2))
     heads = max(p_tp, d_tp) * draw(st.integers(1, 2))
+    fewer = [h for h in (1, 2, 4) if h < max(p_tp, d_tp) and not heads_problem(p_tp, h) and not heads_problem(d_tp, h)]
+    kv_heads = 0  # not said: every rank holds a distinct share
+    if not mla and fewer and draw(st.booleans()):  # a TP above the model's heads: ranks hold copies
+        heads = kv_heads = draw(st.sampled_from(fewer))
     head_bytes = draw(st.sampled_from([1, 2, 4, 8]))
     p_blocks, d_blocks = draw(st.integers(1, 12)), draw(st.integers(1, 12))
     dtype = draw(st.sampled_from([d for d in (torch.uint8, torch.int16, torch.int32) if head_bytes % d.itemsize == 0]))
@@ -198,12 +211,13 @@ def scenarios(draw: st.DrawFn, *, pp: bool = True, max_tp: int = 4, one_layer: b
                 for q in range(d_pp) for d in range(d_tp)}
     return Scenario(p_tp=p_tp, d_tp=d_tp, p_pp=p_pp, d_pp=d_pp, layers=layers, heads=heads, head_bytes=head_bytes,
                     mla=mla, p_blocks=p_blocks, d_blocks=d_blocks, remote=remote, local=local, p_orders=p_orders,
-                    d_orders=d_orders, seed=draw(st.integers(0, 1 << 16)), dtype=dtype, shared=shared, chunk=chunk)
+                    d_orders=d_orders, seed=draw(st.integers(0, 1 << 16)), dtype=dtype, shared=shared, chunk=chunk,
+                    kv_heads=kv_heads)
 
 
 def reply(sc: Scenario, pp: int, infos: list[Any]) -> HandshakeReply:
     return HandshakeReply(engine_id="P", compat_hash="", tp_size=sc.p_tp, pp_size=sc.p_pp, mla=sc.mla,
-                          num_blocks=sc.p_blocks, ranks=tuple(infos))
+                          num_blocks=sc.p_blocks, ranks=tuple(infos), kv_heads=sc.kv_heads)
 
 
 def check_notifications(sc: Scenario, heard: dict[tuple[int, int], list[NotificationReceived]]) -> None:
@@ -586,11 +600,12 @@ def test_nixl_prefix_hit_fragmented_table_pp2_into_pp1(p_tp: int, d_tp: int, xfe
     assert_matches_reference(sc, run_nixl(sc, xfer_mode))
 
 
-def test_consumer_tp_above_the_kv_heads_is_refused_not_misread() -> None:
+def test_consumer_tp_above_the_kv_heads_unsaid_is_refused_not_misread() -> None:
     """2 KV heads, producer TP 1, consumer TP 4: each consumer rank holds one replicated head
-    (vLLM's tp_size > num_kv_heads). pdfsm's plan has no notion of replicated heads and slices
-    the producer block in 4 (half a head); the slice sizes differ from the local block (one
-    head), so the read is refused at post time: no wrong bytes, but every such read fails."""
+    (vLLM's tp_size > num_kv_heads). Not told the model's heads (``kv_heads`` 0), the plan takes
+    every rank to hold a distinct share and slices the producer block in 4 (half a head); the
+    slice sizes differ from the local block (one head), so the read is refused at post time: no
+    wrong bytes. Told (below), the plan reads the whole head."""
     tnet = TorchNetwork()
     p = TorchTransport(tnet, name("P"), [torch.zeros(4, 2, 8, dtype=torch.uint8)])
     d = TorchTransport(tnet, name("D"), [torch.zeros(4, 1, 8, dtype=torch.uint8)], tp_rank=1)
@@ -604,3 +619,25 @@ def test_consumer_tp_above_the_kv_heads_is_refused_not_misread() -> None:
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "kv_heads"), [(1, 4, 2), (4, 1, 2), (2, 4, 1), (4, 2, 1), (4, 4, 2)])
+def test_a_tp_above_the_kv_heads_reads_each_head_once_sim_and_torch(p_tp: int, d_tp: int, kv_heads: int) -> None:
+    """Heads replicated over ranks (a TP larger than the model's KV heads, said as ``kv_heads``),
+    on the decode side, the prefill side or both: every consumer rank gets its heads (read once,
+    from the first covered rank holding them), and every producer rank, copies included, hears
+    the parts it expects (check_notifications, in the runners)."""
+    sc = _scenario(p_tp=p_tp, d_tp=d_tp, heads=kv_heads, kv_heads=kv_heads, remote=[3, 4, 0, 7, 7, 1],
+                   local=[0, 1, 2, 6, 5, 3], chunk=3)
+    assert_matches_reference(sc, run_sim(sc))
+    assert_matches_reference(sc, run_torch(sc))
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL is not installed")
+@pytest.mark.parametrize(("p_tp", "d_tp", "kv_heads", "xfer_mode"), [(1, 4, 2, "prepped"), (4, 1, 2, "descs"),
+                                                                     (4, 2, 1, "prepped"), (2, 4, 1, "descs")])
+def test_nixl_a_tp_above_the_kv_heads_pp2_into_pp1(p_tp: int, d_tp: int, kv_heads: int, xfer_mode: str) -> None:
+    sc = _scenario(p_tp=p_tp, d_tp=d_tp, p_pp=2, layers=4, heads=kv_heads, kv_heads=kv_heads,
+                   remote=[2, 3, 4, 0, 0, 7], local=[1, 2, 6, 3], shared=True)
+    assert_matches_reference(sc, run_nixl(sc, xfer_mode))

@@ -394,9 +394,10 @@ def test_kv_regions_of_zero_bytes_are_refused_as_the_transport_is_built() -> Non
 def test_the_demo_engine_refuses_kv_heads_its_tp_ranks_cannot_share(capsys: pytest.CaptureFixture[str]) -> None:
     """``--heads 8 --tp 3``: each rank got 8 // 3 heads and the remainder was never moved; with
     ``--heads 2 --tp 4`` each got 0 heads and every transfer "moved" nothing (found by a helper's
-    hunt). Refused before anything starts."""
+    hunt). Refused before anything starts. (``--heads 2 --tp 4`` now runs: each rank holds one of
+    the two heads, topology.heads_held; 3 heads over 4 ranks cannot be held alike.)"""
     from pdfsm import engines
 
-    for heads, tp in ((8, 3), (2, 4)):
+    for heads, tp in ((8, 3), (3, 4), (0, 1)):
         assert engines.main(["--role", "decode", "--engine-id", "d", "--tp", str(tp), "--heads", str(heads)]) == 2
         assert f"--heads {heads}" in capsys.readouterr().err

@@ -74,7 +74,7 @@ from pdfsm.events import (
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog, MemorySink, Outcome, Record
 from pdfsm.timers import Timers
-from pdfsm.topology import TopologyError, tp_ratio
+from pdfsm.topology import TopologyError, heads_problem, tp_ratio
 from pdfsm.wire import Notification
 
 # Who stamps each event the world makes, as in production: a counterexample's trace then puts
@@ -126,6 +126,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     producer_tp: int = 1
     producer_pp: int = 1
     mla: bool = False
+    kv_heads: int = 0  # the model's KV heads, said to every engine (CoreConfig.kv_heads; 0: not said)
     supports_pp: bool = True
     policy: Policy = "recompute"
     lease_ns: int = 60
@@ -171,6 +172,11 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
         except TopologyError as exc:
             raise ValueError(f"Scenario.consumer_tp {self.consumer_tp} and producer_tp {self.producer_tp}: "
                              f"{exc}") from None
+        if self.kv_heads:  # heads the ranks cannot hold: every request failed at once, and every hunt passed
+            why = "mla is one head" if self.mla else (heads_problem(self.consumer_tp, self.kv_heads)
+                                                      or heads_problem(self.producer_tp, self.kv_heads))
+            if why:
+                raise ValueError(f"Scenario.kv_heads {self.kv_heads}: {why}")
         if isinstance(self.prefix, str):  # a plain string is a sequence of letters, each taken for a step
             raise ValueError(f"Scenario.prefix must be a tuple of step names, got {self.prefix!r}")
 
@@ -284,8 +290,9 @@ class World:
             timers = None
             if self.variant.timers is not None:
                 timers = (Timers(), self.variant.timers())  # the leases' wheel: read deadlines stay real
-            config = CoreConfig(compat_hash=COMPAT, mla=s.mla, policy=s.policy, lease_ns=s.lease_ns * u,
-                                read_timeout_ns=s.read_timeout_ns * u, lease_margin_ns=s.lease_margin_ns * u,
+            config = CoreConfig(compat_hash=COMPAT, mla=s.mla, kv_heads=s.kv_heads, policy=s.policy,
+                                lease_ns=s.lease_ns * u, read_timeout_ns=s.read_timeout_ns * u,
+                                lease_margin_ns=s.lease_margin_ns * u,
                                 handshake_retry_ns=s.handshake_retry_ns * u, max_staged=s.max_staged,
                                 tombstone_ns=s.tombstone_ns * u, idle_engine_ns=s.idle_engine_ns * u,
                                 cancel_grace_ns=s.cancel_grace_ns * u, hold_skew_ns=HOLD_SKEW_NS * u, **cfg)
@@ -780,7 +787,8 @@ class World:
                                    started_wall_ns=(WALL0 + self.started[(cmd.pp_rank, t)]) * UNIT_NS if said else 0)
                           for t in range(self.s.producer_tp))
             reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
-                                   pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks)
+                                   pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks,
+                                   kv_heads=self.s.kv_heads)
             ev = self._ev(HandshakeDone, **common, reply=reply)
             self.refuse_peer = how == "peer-refused"
             if "add-peer-off-owner" in self.variant.quirks:
