@@ -27,7 +27,7 @@ _Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_DELAY_S)]
 
 
 NUM_BLOCKS: Final = 256  # each demo engine's KV pool, in blocks
-HEADS: Final = 8  # the demo model's KV heads, shared out over TP ranks (each TP size must divide them)
+HEADS: Final = 8  # the demo model's KV heads, shared out over TP ranks (topology.heads_held: a TP above holds copies)
 LEASE_MARGIN_S: Final = 1.0  # the decode side stops trusting reads this long before a lease ends
 
 class Op(msgspec.Struct, kw_only=True, tag_field="op", tag=str.lower):

@@ -76,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=1)
     p.add_argument("--prefill-pp", type=int, default=1)
     p.add_argument("--mla", action="store_true", help="replicated latent KV: a consumer rank reads one producer rank")
-    p.add_argument("--kv-heads", type=int, default=HEADS,
-                   help=f"the model's KV heads ({HEADS}); a TP larger than them holds copies, read once")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help=f"the model's KV heads (1 to {MAX_DEMO_HEADS}, default {HEADS}); a TP larger than them "
+                        "holds copies, read once")
     p.add_argument("--no-pp", action="store_true", help="the decode transport cannot serve pp_rank > 0")
     p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most")
     p.add_argument("--in-flight", type=int, default=8)
@@ -102,6 +103,7 @@ class UsageError(ValueError):
 
 
 LAYERS = 4  # the demo model's layers, shared out over the prefill PP ranks
+MAX_DEMO_HEADS = 64  # 64 heads on one rank: 16 MiB of KV per worker (NUM_BLOCKS x 4 layers x 256 B)
 MAX_LEASE_S = 3600.0  # a demo lease of an hour is plenty; past it the engines' nanosecond config overflows
 
 
@@ -123,12 +125,15 @@ def check_options(args: argparse.Namespace) -> None:
     check_sizes(args, ("requests", "prefill_tp", "decode_tp", "prefill_pp", "max_blocks", "in_flight"))
     if args.prefill_pp > LAYERS:
         raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
-    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
-        why = None if args.mla else heads_problem(tp, args.kv_heads)  # (--mla: one latent head on every rank)
-        if why is not None:
-            raise UsageError(f"{flag} {tp} --kv-heads {args.kv_heads}: {why} (or --mla)")
-    if args.mla and args.kv_heads != HEADS:
+    if args.mla and args.kv_heads is not None:
         raise UsageError(f"--kv-heads {args.kv_heads} with --mla: MLA's latent is one head on every rank")
+    heads = HEADS if args.kv_heads is None else args.kv_heads
+    if not 1 <= heads <= MAX_DEMO_HEADS:  # each engine allocates its KV pool for them up front
+        raise UsageError(f"--kv-heads {heads}: 1 to {MAX_DEMO_HEADS} in the demo")
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        why = None if args.mla else heads_problem(tp, heads)  # (--mla: one latent head on every rank)
+        if why is not None:
+            raise UsageError(f"{flag} {tp} --kv-heads {heads}: {why} (or --mla)")
     if args.abort < 0:
         raise UsageError(f"--abort {args.abort}: a count of requests, at least 0")
     if not args.lease_s > LEASE_MARGIN_S:  # a read must end this long before the lease: none could
@@ -278,7 +283,7 @@ def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str
     argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(tp),
             "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
             "--layers", str(LAYERS), "--lease-s", str(lease), "--log-dir", str(log_dir), "--kv-device", args.kv_device]
-    argv += ["--mla"] if args.mla else ["--heads", str(args.kv_heads)]
+    argv += ["--mla"] if args.mla else ["--heads", str(HEADS if args.kv_heads is None else args.kv_heads)]
     if prefill:
         if "wrong-engine-id" in faults:
             argv += ["--reply-engine-id", "prefill-node1"]

@@ -126,6 +126,8 @@ def heads_held(tp_size: int, tp_rank: int, kv_heads: int) -> range:
     ``tp_size // kv_heads`` consecutive ranks (vLLM splits GQA's KV heads so)."""
     if not 1 <= kv_heads <= MAX_KV_HEADS:
         raise TopologyError(f"KV heads must be 1 to {MAX_KV_HEADS}, got {kv_heads}")
+    if not 0 <= tp_rank < tp_size:
+        raise TopologyError(f"TP rank {tp_rank} outside TP {tp_size}")
     if tp_size <= kv_heads:
         if kv_heads % tp_size:
             raise TopologyError(f"TP {tp_size} does not divide the model's {kv_heads} KV heads")

@@ -153,8 +153,10 @@ def test_more_blocks_in_flight_than_an_engine_holds_is_refused_up_front() -> Non
     (("--requests", "8", "--fault", "wrong-engine-id", "--fault", "forge-notification"), "forge-notification needs"),
     (("--requests", "8", "--prefill-pp", "2", "--no-pp", "--fault", "forge-notification"), "--no-pp with"),
     (("--prefill-tp", "4", "--kv-heads", "3"), "--prefill-tp 4 --kv-heads 3: the model's 3 KV heads do not divide"),
-    (("--kv-heads", "0"), "--prefill-tp 2 --kv-heads 0: KV heads must be 1 to"),
+    (("--kv-heads", "0"), "--kv-heads 0: 1 to 64 in the demo"),
+    (("--kv-heads", "65536"), "--kv-heads 65536: 1 to 64 in the demo"),  # both engines' pools, 16 GiB each
     (("--mla", "--kv-heads", "2"), "--kv-heads 2 with --mla"),
+    (("--mla", "--kv-heads", "8"), "--kv-heads 8 with --mla"),  # the default's value, said: not ignored
 ])
 def test_runs_that_could_only_fail_are_refused_before_any_engine_starts(argv: tuple[str, ...], match: str) -> None:
     """Found by review: each started both engines and ended in a traceback (an infinite lease), or

@@ -177,6 +177,7 @@ def test_a_second_race_hunt_leaves_only_its_own_counterexample_logs(tmp_path: Pa
     (lambda: Variant(quirks=frozenset({"notify-on-posts"})), "unknown quirks"),  # silently the real adapter
     (lambda: Scenario(producer_tp=4, kv_heads=3), "kv_heads 3: the model's 3 KV heads do not divide TP 4"),
     (lambda: Scenario(mla=True, kv_heads=1), "kv_heads 1: mla is one head"),  # every request failed at once
+    (lambda: Scenario(kv_heads=True), "kv_heads must be an int"),  # CoreConfig's check refuses it
 ])
 def test_a_scenario_or_variant_that_would_test_nothing_is_refused_when_built(make: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):

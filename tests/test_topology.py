@@ -87,6 +87,10 @@ def test_heads_held_shares_heads_out_then_gives_consecutive_ranks_the_same_head(
         problem = heads_problem(tp, heads)
         assert problem is not None and problem.startswith(why)
     assert heads_problem(8, 2) is None
+    for tp, rank in ((0, 0), (-2, 0), (2, 5), (4, -1)):  # typed, never a ZeroDivisionError or heads not there
+        with pytest.raises(TopologyError, match="outside"):
+            heads_held(tp, rank, 8)
+    assert heads_problem(0, 8) == "TP rank 0 outside TP 0"
     with pytest.raises(TopologyError, match="TP 3 does not divide the model's 8 KV heads"):
         read_plan(Layout(3), Layout(1), False, 8)
     with pytest.raises(TopologyError, match="the model's 3 KV heads do not divide TP 8"):

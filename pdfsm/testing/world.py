@@ -74,7 +74,7 @@ from pdfsm.events import (
 from pdfsm.fsm import Fault
 from pdfsm.log import EventLog, MemorySink, Outcome, Record
 from pdfsm.timers import Timers
-from pdfsm.topology import TopologyError, heads_problem, tp_ratio
+from pdfsm.topology import MAX_KV_HEADS, TopologyError, heads_problem, tp_ratio
 from pdfsm.wire import Notification
 
 # Who stamps each event the world makes, as in production: a counterexample's trace then puts
@@ -159,6 +159,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
                      "max_staged"):
             _check_int(name, getattr(self, name), 0, _MAX_UNITS)
         _check_int("scheduler_clock_offset", self.scheduler_clock_offset, -_MAX_UNITS, _MAX_UNITS)
+        _check_int("kv_heads", self.kv_heads, 0, MAX_KV_HEADS)
         if self.lease_ns <= self.lease_margin_ns:  # no read is ever trusted: every request fails, silently
             raise ValueError(f"Scenario.lease_ns ({self.lease_ns}) must be more than lease_margin_ns "
                              f"({self.lease_margin_ns}): reads are trusted only until the lease minus the margin")
