@@ -450,6 +450,12 @@ class Connector:
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
         self._writing: dict[int, str] = {}
         self._writes: dict[str, tuple[int, ...]] = {}
+        # Local blocks held for remote consumers, until their hold is reported finished sending
+        # (id -> blocks; block -> its holds, several where prefixes share blocks). A worker both
+        # loads and holds (kv_both): no load may write a held block (a consumer may be reading
+        # it), and no hold may offer a block a load may still write (vLLM issue 46240).
+        self._holds: dict[str, tuple[int, ...]] = {}
+        self._held: dict[int, set[str]] = {}
         if predecessor is not None:  # its params stay single-use here, and blocks it may still write stay taken
             self._loaded.update(predecessor._loaded)
             self._loaded.update(predecessor._live_loads)
@@ -506,6 +512,10 @@ class Connector:
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
             raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
                                             "and has no params to give")
+        if not self._writing.keys().isdisjoint(blocks):  # its consumer would read bytes a read still writes
+            block = next(b for b in blocks if b in self._writing)
+            raise InvalidInput("block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
+                                            "hold it once that request is reported finished")
         if not self.host:
             raise InvalidInput("host", "this Connector was built with host='' (consumer-only): params it "
                                        "minted would name no listener to handshake with")
@@ -580,6 +590,13 @@ class Connector:
             block = next(b for b in local if b in self._writing)
             raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
                                                   "it is free again once that request is reported finished")
+        if self._held and not self._held.keys().isdisjoint(local):  # a consumer may be reading it
+            for block in local:
+                holder = self._holder(block)
+                if holder is not None:
+                    raise InvalidInput("local_block_ids", f"block {block} is held for {holder!r}, whose consumer "
+                                                          "may still read it: it is free again once that request "
+                                                          "is reported finished sending")
         now = self._clock()
         if lease_start_ns is not None:  # before the clock's zero is a real start (a process-relative clock)
             _check_int("lease_start_ns", lease_start_ns, low=-MAX_DURATION_NS)
@@ -725,6 +742,11 @@ class Connector:
                 if first != ev.request_id:
                     raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
                                        f"which {first!r} loads into too", request_id=ev.request_id)
+        for held in holds:  # a load of this step into a block held in it (the checks above see earlier ones)
+            block = next((b for b in held.block_ids if b in writers), None)
+            if block is not None:
+                raise InvalidInput(f"reqs_to_send[{held.request_id!r}]", f"holds local block {block}, which "
+                                   f"{writers[block]!r} loads into in the same step", request_id=held.request_id)
         for ev, minting in loads:
             self._submit_load(ev, minting)
         for held in holds:
@@ -853,7 +875,27 @@ class Connector:
 
     def _submit_hold(self, ev: BlocksHeld) -> None:
         self._queued[PRODUCER].add(ev.request_id)
+        self._holds[ev.request_id] = ev.block_ids
+        for block in ev.block_ids:
+            self._held.setdefault(block, set()).add(ev.request_id)
         self.core.submit(ev)
+
+    def _holder(self, block: int) -> str | None:
+        """A live hold of ``block``, if any. A hold the core refused is never reported finished
+        sending: it is let go here, when first met."""
+        for rid in sorted(self._held.get(block, ())):
+            m = self.core.producers.get(rid)
+            if rid in self._queued[PRODUCER] or (m is not None and m.state is ProducerStates.HOLDING):
+                return rid
+            self._unhold(rid)
+        return None
+
+    def _unhold(self, rid: str) -> None:
+        for block in self._holds.pop(rid, ()):
+            holds = self._held[block]
+            holds.discard(rid)
+            if not holds:
+                del self._held[block]
 
     # --- every step -----------------------------------------------------------------------------
 
@@ -1016,6 +1058,8 @@ class Connector:
                     if isinstance(cmd, HandOff):
                         for block in self._writes.pop(cmd.request_id, ()):
                             del self._writing[block]
+                    else:
+                        self._unhold(cmd.request_id)
                 elif isinstance(cmd, SendNotification):
                     self._send(cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
                 elif isinstance(cmd, CancelRead):

@@ -18,7 +18,7 @@ from helpers import LeaseWorld, prefix_hit, reply
 from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, ConnectorMetadata, KVTransferParams
 from pdfsm.errors import InvalidInput
-from pdfsm.events import CoreConfig
+from pdfsm.events import CoreConfig, NotificationReceived
 from pdfsm.fsm import Fault
 from transports.sim import ReadScript, SimHandshaker, SimNetwork, SimTransport, pattern
 
@@ -553,3 +553,77 @@ def test_vllm_pr_50558_one_more_decode_block_than_the_producer_holds_is_refused_
     w.run(3)
     assert (w.received, w.released, w.failed) == (["d1"], ["p1"], {})
     assert w.read_bytes_ok([10, 11, 12], [4, 5, 6])
+
+
+# --- a worker that both loads and holds (kv_both) ------------------------------------------------------
+
+
+class KvBoth:
+    """Engine P (prefill) and engine W, whose worker both loads from P and holds for others."""
+
+    def __init__(self) -> None:
+        self.net, self.now = SimNetwork(), 0
+        self.pt, self.wt = SimTransport(self.net, "P-0"), SimTransport(self.net, "W-0")
+        self.pt.fill(range(64))
+        self.wt.fill(range(64))
+        self.p = Connector(CoreConfig(engine_id="P", compat_hash="h"), self.pt, SimHandshaker(self.net),
+                           clock=self.clock, port=9)
+        self.w = Connector(CoreConfig(engine_id="W", compat_hash="h", lease_margin_ns=100), self.wt,
+                           SimHandshaker(self.net), clock=self.clock, port=10)
+        self.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(self.pt.rank_info(),), num_blocks=64))
+        self.reports: list[tuple[set[str], set[str]]] = []
+
+    def clock(self) -> int:
+        return self.now
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.now += 1_000
+            self.reports.append(self.w.get_finished())
+            self.p.get_finished()
+
+
+def test_vllm_issue_46240_a_hold_of_blocks_a_read_may_still_write_is_refused_until_it_is_reported() -> None:
+    """vLLM issue 46240 (kv_both): a decode request aborted while its KV still arrived got
+    ``request_finished`` anyway, so the producer role offered blocks an in-flight READ still
+    wrote; a second decode engine could read them before the READ landed, and be reported
+    received over the wrong bytes. One Connector serves both roles here: a hold of a block a live
+    load may still write is refused, as a second load into it is, naming the loading request;
+    once that request is reported, the same hold is accepted."""
+    k = KvBoth()
+    k.net.script("r", 0, 0, ReadScript(end="hang"))
+    k.w.load("r", [5, 6], k.p.request_finished("p-r", [1, 2]))
+    k.step(2)
+    assert k.w.core.consumers["r"].state.name == "READING"
+    k.w.abort("r")
+    for rid, blocks in (("r", [5, 6]), ("other", [6, 7])):
+        with pytest.raises(InvalidInput, match="still loaded into by 'r'") as err:
+            k.w.request_finished(rid, blocks)
+        assert err.value.field == "block_ids"
+    with pytest.raises(InvalidInput, match=r"reqs_to_send\['other'\].*still loaded into by 'r'"):
+        k.w.start_load_kv(ConnectorMetadata(reqs_to_send={"other": (6, 7)}))
+    k.step(3)  # the cancel lands, the read stops, r is reported
+    assert any("r" in recving for _, recving in k.reports)
+    params = k.w.request_finished("r", [5, 6])  # the blocks are the scheduler's again
+    assert params.remote_block_ids == (5, 6)
+
+
+def test_a_load_into_blocks_held_for_a_remote_consumer_is_refused_until_they_are_released() -> None:
+    """The reverse (kv_both): blocks held for a remote decode may still be read by it; a load into
+    them would overwrite the bytes under that read. Refused naming the hold, also when the hold
+    and the load come in one step (the step is refused whole); accepted once the hold is released."""
+    k = KvBoth()
+    k.w.request_finished("h", [5, 6])
+    with pytest.raises(InvalidInput, match="block 5 is held for 'h'") as err:
+        k.w.load("r", [5, 6], k.p.request_finished("p-r", [1, 2]))
+    assert err.value.field == "local_block_ids"
+    params = k.p.request_finished("p-s", [3, 4])
+    with pytest.raises(InvalidInput, match=r"reqs_to_send\['h2'\]: holds local block 8, which 's' loads into"):
+        k.w.start_load_kv(ConnectorMetadata(reqs_to_recv={"s": ((8, 9), params)}, reqs_to_send={"h2": (8,)}))
+    assert "s" not in k.w.core.consumers and "h2" not in k.w.core.producers  # nothing of the step taken
+    k.w.core.submit(NotificationReceived(source="transfer", t_ns=k.now, request_id="h", part=0, of=1))  # read
+    k.step(2)
+    assert any("h" in sending for sending, _ in k.reports)  # released: the blocks are free to load into
+    k.w.load("r", [5, 6], k.p.request_finished("p-r2", [1, 2]))
+    k.step(4)
+    assert any("r" in recving for _, recving in k.reports) and k.wt.block(5) == pattern("P-0", 1, 64)
