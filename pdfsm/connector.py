@@ -21,6 +21,7 @@ accepted is touched.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import re
 import threading
 import time
@@ -164,7 +165,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInput("remote_block_ids", "names no block: with no remote blocks there is nothing to "
                                                    "read and no hold to release (vLLM PR 18590: no notification "
                                                    "for such a request)")
-        _check_id("remote_host", parsed.remote_host)  # "" names no listener: every handshake would fail
+        _check_host(parsed.remote_host, "remote_host")  # "" names no listener: every handshake would fail
         if not _encodes(parsed.remote_incarnation):  # every other string is checked as an id
             raise InvalidInput("remote_incarnation", "must be valid Unicode (no lone surrogates)")
         if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
@@ -252,8 +253,24 @@ def _check_id(field: str, value: object) -> str:
     return value
 
 
-def _check_host(value: object) -> str:
-    return "" if value == "" else _check_id("host", value)
+def _check_host(value: object, field: str = "host") -> str:
+    """An address a consumer can handshake with ("" for the Connector's own: a consumer-only worker).
+    A wildcard names every interface and no listener (a consumer dialling 0.0.0.0 reaches its own
+    host, another engine's listener there), and a bracketed IPv6 literal no host at all (SGLang PR
+    10389): both refused here rather than by every consumer's handshake."""
+    if value == "" and field == "host":
+        return ""
+    host = _check_id(field, value)
+    if host.startswith("[") and host.endswith("]"):
+        raise InvalidInput(field, f"{host!r}: write an IPv6 address without brackets ({host[1:-1]!r})")
+    try:
+        unspecified = ipaddress.ip_address(host.split("%")[0]).is_unspecified
+    except ValueError:  # a host name
+        return host
+    if unspecified:
+        raise InvalidInput(field, f"{host!r} names every interface, not one a consumer can reach: name this "
+                                  "engine's address (the side channel's host)")
+    return host
 
 
 def _encodes(value: str) -> bool:
@@ -584,6 +601,10 @@ class Connector:
         _check_id("remote_request_id", p.remote_request_id)
         _check_id("remote_engine_id", p.remote_engine_id)
         local = _check_blocks("local_block_ids", local_block_ids, self.transport.capabilities.num_blocks)
+        if local and p.lease_ns <= self.config.lease_margin_ns:  # failed at once, "lease may have run out"
+            raise InvalidInput("lease_ns", f"{p.lease_ns} ns in the params, not longer than this worker's "
+                                           f"lease_margin_ns ({self.config.lease_margin_ns} ns): a read must end "
+                                           "that long before the lease, so none of them could be trusted")
         if len(set(local)) != len(local):  # two reads would race to write one block
             raise InvalidInput("local_block_ids", "a block id is repeated")
         if not self._writing.keys().isdisjoint(local):

@@ -384,3 +384,55 @@ def test_strings_no_log_record_could_carry_are_refused_by_name() -> None:
     with pytest.raises(InvalidInput, match="remote_incarnation: must be valid Unicode"):
         w.d.load("d1", [10], params)
     assert not w.d.core.consumers and not w.d.core.log.inbox
+
+
+# --- addresses and leases no read could use (found by a helper's hunt, 2026-11-28) -----------------
+
+
+def _consumer(**cfg: object) -> tuple[Connector, KVTransferParams]:
+    from transports.sim import SimNetwork
+
+    net = SimNetwork()
+    producer = Connector(CoreConfig(engine_id="P", compat_hash="h"), SimTransport(net, "P-0"), SimHandshaker(net),
+                         port=9)
+    consumer = Connector(CoreConfig(engine_id="D", compat_hash="h", **cfg), SimTransport(net, "D-0"),  # type: ignore[arg-type]
+                         SimHandshaker(net))
+    return consumer, producer.request_finished("p-1", [1, 2])
+
+
+@pytest.mark.parametrize(("host", "why"), [("0.0.0.0", "names every interface"), ("::", "names every interface"),
+                                           ("[::1]", "without brackets")])
+def test_params_naming_no_reachable_listener_are_refused_where_they_are_minted_and_loaded(host: str, why: str) -> None:
+    """Dynamo issue 4855 / SGLang PR 10389: a wildcard address names no listener (a consumer
+    dialling 0.0.0.0 reaches its own host: another engine's listener there answered, and the
+    request failed as an engine-id mismatch), and a bracketed IPv6 literal no host ("Name or
+    service not known"). Refused by the producer's Connector and by ``load`` (a router's params),
+    naming the field; a plain IPv6 literal and a host name are fine."""
+    from transports.sim import SimNetwork
+
+    net = SimNetwork()
+    with pytest.raises(InvalidInput, match=why) as err:
+        Connector(CoreConfig(engine_id="P", compat_hash="h"), SimTransport(net, "P-0"), SimHandshaker(net),
+                  host=host, port=9)
+    assert err.value.field == "host"
+    consumer, params = _consumer()
+    with pytest.raises(InvalidInput, match=why) as err:
+        consumer.load("r", [3, 4], {**params.to_dict(), "remote_host": host})
+    assert err.value.field == "remote_host"
+    for blocks, fine in (([3, 4], "::1"), ([5, 6], "prefill-0.cluster.local")):
+        consumer.load(f"r-{fine}", blocks, {**params.to_dict(), "remote_host": fine, "remote_request_id": f"p-{fine}"})
+
+
+def test_a_load_whose_lease_is_not_longer_than_the_margin_is_refused_naming_lease_ns() -> None:
+    """SGLang issues 10110/10204 (mis-scaled timeouts failed every request with an opaque
+    message): params whose lease is not longer than this worker's ``lease_margin_ns`` can never
+    be trusted (a read must end that long before the lease), so every such request failed at once
+    with "the producer's lease may already have run out". Refused at the load instead, naming
+    ``lease_ns`` and both figures; a notify-only load of them (nothing to trust) still tells."""
+    consumer, params = _consumer(lease_margin_ns=2_000_000_000)
+    short = {**params.to_dict(), "lease_ns": 2_000_000_000}
+    with pytest.raises(InvalidInput, match=r"2000000000 ns in the params, not longer than .*lease_margin_ns") as err:
+        consumer.load("r", [3, 4], short)
+    assert err.value.field == "lease_ns" and "r" not in consumer.core.consumers
+    consumer.load("r", [], short)  # notify-only
+    consumer.load("r2", [3, 4], {**short, "lease_ns": 2_000_000_001, "remote_request_id": "p-2"})

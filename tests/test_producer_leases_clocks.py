@@ -180,18 +180,21 @@ def test_producer_clock_going_backwards_and_jumping_releases_each_hold_once() ->
 
 
 def test_one_ns_and_maximum_lease_overrides() -> None:
-    """request_finished(lease_ns=1): the params say 1 ns; decode refuses to read them (lease over,
-    failed with its blocks invalid, nothing posted) and the producer expires the hold at the next
-    step, reported once. lease_ns=2**62 (the documented maximum) is held, read and released by
-    the notification; 2**62+1 is refused by name."""
+    """request_finished(lease_ns=1): the params say 1 ns; decode refuses to load them (not longer
+    than its lease margin: no read of them could be trusted; before, the load was taken and failed
+    at once with its blocks invalid), nothing is posted, and the producer expires the hold at the
+    next step, reported once. lease_ns=2**62 (the documented maximum) is held, read and released
+    by the notification; 2**62+1 is refused by name."""
     w = LeaseWorld()
     w.connect()
     p1 = w.p.request_finished("p1", [1], lease_ns=1)
     assert p1.lease_ns == 1
-    w.d.load("d1", [5], p1)
+    with pytest.raises(InvalidInput, match="lease_margin_ns") as refused:
+        w.d.load("d1", [5], p1)
+    assert refused.value.field == "lease_ns"
     w.run(3, dt=1000)
     assert w.expired == ["p1"] and w.released == ["p1"]
-    assert "d1" in w.failed and w.failed["d1"].invalid_blocks == (5,) and "d1" not in w.received
+    assert "d1" not in w.failed and "d1" not in w.received
     p2 = w.p.request_finished("p2", [2], lease_ns=1 << 62)
     w.now += 3600 * S
     w.d.load("d2", [6], p2)
@@ -272,6 +275,11 @@ def _random_schedule(seed: int) -> None:
                 net.fault_notification(rid, rnd.choice(["drop", "duplicate", "delay"]), rnd.randint(1, 4))
             net.script("d" + rid, 0, 0, ReadScript(polls=rnd.randint(0, 6),
                                                    end=rnd.choice(("done",) * 5 + ("err", "hang"))))
+            if local and pa.lease_ns <= d.config.lease_margin_ns:  # no read of them could be trusted
+                with pytest.raises(InvalidInput, match="lease_margin_ns"):
+                    d.load("d" + rid, local, pa)
+                dfree.extend(local)
+                continue
             d.load("d" + rid, local, pa)
             loads["d" + rid] = (local, list(pa.remote_block_ids), pa, rid)
         elif op < 0.7 and loads:
