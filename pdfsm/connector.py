@@ -989,6 +989,18 @@ class Connector:
         return sending, recving
 
     @_one_caller
+    def busy(self) -> bool:
+        """Work only this worker's steps move is left: a consumer request not reported yet (or a
+        notify-only one still telling its producer), a producer hold not released or expired yet,
+        events, hand-offs or cancels not carried out yet. Keep calling :meth:`get_finished` while
+        it is true, also when the scheduler tracks no request: a notify-only load's handshake and
+        its notices move only inside a step, and its producer would hold the blocks until its
+        lease (found by a helper's hunt). False once shut down."""
+        core = self.core
+        return not self._closed and bool(core.consumers or core.producers or core.pending_hand_offs
+                                         or core.log.inbox or self._recancel or any(self._queued.values()))
+
+    @_one_caller
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of the requests :meth:`get_finished` reported failed, and of those it
         reported aborted whose reads did not all complete in time, not handed out yet: each block

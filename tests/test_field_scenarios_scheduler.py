@@ -627,3 +627,32 @@ def test_a_load_into_blocks_held_for_a_remote_consumer_is_refused_until_they_are
     k.w.load("r", [5, 6], k.p.request_finished("p-r2", [1, 2]))
     k.step(4)
     assert any("r" in recving for _, recving in k.reports) and k.wt.block(5) == pattern("P-0", 1, 64)
+
+
+def test_a_notify_only_load_keeps_its_worker_busy_until_the_producer_is_told() -> None:
+    """A full prefix hit is loaded notify-only and never reported, so vLLM tracks nothing and may
+    stop stepping the decode engine after the step that carried it; a handshake slower than one
+    step's rounds (any real TCP one) then left the notice unsent, and the producer held the blocks
+    until its lease (found by a helper's hunt). ``busy()`` says when the worker still has work
+    only its steps move: stepping while it is true tells the producer, then it is false."""
+    rig = Rig()
+    rig.net.handshake_polls = 40
+    d = rig.d[0]
+    assert not d.busy()
+    params = rig.prefill("p1", [1, 2])
+    d.start_load_kv(ConnectorMetadata(reqs_to_recv={"r1": ((), params)}))
+    assert d.busy() and d.core.consumers["r1"].state.name == "HANDSHAKING"  # the step ended mid-handshake
+    steps = 0
+    while d.busy():
+        rig.step()
+        steps += 1
+        assert steps < 100
+    rig.step()
+    assert rig.sent[0] == {"p1": 1} and rig.recv[0] == {}  # told once; a notify-only load is never reported
+    rig.load("r2", [5, 6], rig.prefill("p2", [3, 4]))
+    assert d.busy()
+    while d.busy():
+        rig.step()
+    assert rig.recv[0] == {"r2": 1} and not d.busy()
+    d.shutdown()
+    assert not d.busy()
