@@ -106,12 +106,14 @@ def main() -> None:
         params = prefill.prefill(f"p-req-{i}", num_blocks=1 + i % 3)
         # req-5 has its first block in the local prefix cache, req-6 all of them
         decode.add(f"req-{i}", params, arrived_ns=tick(), cached={5: 1, 6: 3}.get(i, 0))
-    for step in range(10):
+    step = 0
+    while step < 10 or decode.connector.busy() or prefill.connector.busy():  # until nothing is left to move
         now[0] = next(clock)
         if step == 2:
             decode.abort("req-7")
         decode.step()
         prefill.step()
+        step += 1
     print(f"decoding: {sorted(decode.running)}")
     print(f"recompute: {decode.recompute}")
     print(f"aborted: {decode.aborted}")
