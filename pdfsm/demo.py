@@ -143,8 +143,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
             if args.block_bytes % tp:
                 return (f"--block-bytes {args.block_bytes}: the {flag[2:-3]} ranks ({flag} {tp}) each hold an equal "
                         f"part of a block, so {tp} must divide it (or --mla: every rank holds whole blocks)")
-    if args.fault and not 0 <= args.fault_request < args.requests:
-        return f"--fault-request {args.fault_request}: no such request (req-0 to req-{args.requests - 1})"
+    if args.fault and not 1 <= args.fault_request <= args.requests:  # requests are numbered from 1
+        return f"--fault-request {args.fault_request}: no such request (req-1 to req-{args.requests})"
     return None
 
 

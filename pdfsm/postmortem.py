@@ -166,28 +166,44 @@ class _NoProgress:
 
 
 class _PlainProgress:
-    """A counter rewritten in place on stderr, at most every 0.2 s: the fallback without rich."""
+    """A counter on stderr at most every 0.2 s: rewritten in place on a terminal (the fallback
+    without rich); into a file or pipe one plain line each time, and each phase's last count
+    (escape codes there, and a count stuck at its first update, found by a helper's review)."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_place: bool) -> None:
+        self._in_place = in_place
         self._desc, self._last, self._shown = "", 0.0, False
         self._total: int | None = None
+        self._done, self._said = 0, -1
 
     def start(self, description: str, total: int | None) -> None:
-        self._desc, self._total, self._last = description, total, 0.0
+        self._end_phase()
+        self._desc, self._total, self._last, self._done, self._said = description, total, 0.0, 0, -1
 
     def update(self, completed: int) -> None:
+        self._done = completed
         now = time.monotonic()
         if now - self._last >= 0.2:
             self._last, self._shown = now, True
-            of = f"/{self._total}" if self._total else ""
-            sys.stderr.write(f"\r{self._desc}: {completed}{of}\x1b[K")
-            sys.stderr.flush()
+            self._write()
+
+    def _write(self) -> None:
+        of = f"/{self._total}" if self._total else ""
+        line = f"{self._desc}: {self._done}{of}"
+        sys.stderr.write(f"\r{line}\x1b[K" if self._in_place else f"{line}\n")
+        sys.stderr.flush()
+        self._said = self._done
+
+    def _end_phase(self) -> None:
+        if not self._in_place and self._shown and self._said != self._done:
+            self._write()
 
     def stop(self) -> None:
-        if self._shown:
+        self._end_phase()
+        if self._in_place and self._shown:
             sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
-            self._shown = False
+        self._shown = False
 
 
 class _RichProgress:
@@ -221,11 +237,11 @@ def make_progress(enabled: bool | None, *, json_mode: bool = False) -> Progress:
     if not enabled:
         return _NoProgress()
     if not sys.stderr.isatty():  # asked for explicitly into a file or pipe: rich would draw nothing there
-        return _PlainProgress()
+        return _PlainProgress(in_place=False)
     try:
         return _RichProgress()
     except ImportError:  # rich is a test dependency, not a runtime one
-        return _PlainProgress()
+        return _PlainProgress(in_place=True)
 
 
 # --- reading ------------------------------------------------------------------------------------------
@@ -240,19 +256,26 @@ def log_path(arg: str) -> str:
 
 
 def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
-    """(name, path) per log. A directory without segments whose subdirectories hold logs stands
-    for those logs (sorted by name). A log is named after its directory (a segment file after the
-    directory it is in); a repeated name gets ``#2``, ``#3``... A path named twice (also through
-    a directory holding it), or a segment file of a log directory also named, is read once.
-    Names are fit to print (:func:`~pdfsm.replay.printable`): a directory's name is anyone's."""
+    """(name, path) per log. A directory whose subdirectories hold logs stands for those logs
+    (sorted by name), and for its own when it holds segments too (a stray segment copied into a
+    run's directory hid every worker's log: found by a helper's review). A log is named after its
+    directory (a segment file after the directory it is in); a repeated name gets ``#2``,
+    ``#3``... A path named twice (also through a directory holding it), or a segment file of a log
+    directory also named, is read once; a writer lock named beside its log's segments (a shell's
+    ``DIR/*``) is not a log. Names are fit to print (:func:`~pdfsm.replay.printable`): a
+    directory's name is anyone's."""
     logs: list[Path] = []
+    paths = list(paths)
+    named = {Path(a).parent for a in paths if Path(a).name != LOCK_NAME}
     for arg in paths:
         p = Path(arg)
+        if p.name == LOCK_NAME and p.parent in named:  # `replay DIR/*`: the lock of a log named by its segments
+            continue
         try:
-            subs = worker_logs(p) if not _has_segments(p) else []
+            subs, own = worker_logs(p), _has_segments(p)
         except OSError:  # unreadable: load() says so as the log's status
-            subs = []
-        logs += subs or [p]
+            subs, own = [], False
+        logs += ([p] if own or not subs else []) + subs
     probed = [(log, *_probe(log)) for log in logs]
     whole = {real for _, real, is_file in probed if not is_file}
     found: list[tuple[str, Path]] = []
@@ -439,8 +462,9 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
         return log
     records, first = log.records, log.records[0].seq
     if first != 0:  # the machines' earlier history is gone: nothing to rebuild them from
-        log.replay_note = (f"not replayed: the log starts at seq {first} (a later segment named alone, or "
-                           "older segments removed by keep_segments); summarized from its records")
+        note = (f"not replayed: the log starts at seq {first} (a later segment named alone, or older "
+                "segments removed by keep_segments); summarized from its records")
+        log.replay_note = f"{log.replay_note}; {note}" if log.replay_note else note  # after _load's, not over it
         return log
     if log.gaps:  # the core applied records the file never got: replay can check only up to them
         cut = log.gaps[0].first_seq

@@ -371,7 +371,8 @@ def render_report(logs: Sequence[LoadedLog], *, rows: int = 200, title: str = "p
 
 
 def report_command(args: argparse.Namespace) -> int:
-    """``pdfsm report``: the logs are replayed as for ``pdfsm replay``; its exit code, page written anyway."""
+    """``pdfsm report``: the logs are replayed as for ``pdfsm replay``; its exit code, the page written
+    anyway unless no log could be read at all."""
     if args.rows < 0:
         print("pdfsm report: --rows must be >= 0", file=sys.stderr)
         return Exit.USAGE
@@ -381,6 +382,8 @@ def report_command(args: argparse.Namespace) -> int:
         if log.status == "divergence":
             print(f"pdfsm report: {log.name}: {printable(log.error.splitlines()[0])}", file=sys.stderr)
     code = next((int(log.exit_code) for log in logs if log.exit_code), 0)  # the first failing log's, as replay
+    if all(log.status == "no_log" for log in logs):  # nothing to draw: no page saying "wrote N logs"
+        return code
     if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
         return Exit.USAGE
     say(f"wrote {printable(args.output)}: {len(logs)} logs, self-contained (open it in any browser)")

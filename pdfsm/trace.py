@@ -109,6 +109,8 @@ def trace_command(args: argparse.Namespace) -> int:
     """``pdfsm trace LOG... -o trace.json``: not replayed (``pdfsm replay`` checks), only drawn."""
     logs = load_all(args.logs, check=False)
     code = warn_unreadable(logs, "pdfsm trace")
+    if all(log.status == "no_log" for log in logs):  # nothing to draw: no file saying "wrote N logs"
+        return code
     doc = chrome_trace([(log.name, log.records) for log in logs], events=not args.no_events)
     if not write_output(args.output, json.dumps(doc, separators=(",", ":")), "pdfsm trace"):
         return Exit.USAGE

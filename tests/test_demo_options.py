@@ -114,6 +114,24 @@ def test_demo_sim_fault_on_a_request_that_never_runs_is_not_reported_as_planted(
     assert code == 2, out.getvalue()[-2000:]
 
 
+@pytest.mark.parametrize(("request_n", "code"), [(0, 2), (1, 0), (4, 0), (5, 2)])
+def test_demo_sim_fault_requests_are_numbered_as_the_requests_are(tmp_path: Path, request_n: int, code: int) -> None:
+    """The requests are req-1 to req-N: --fault-request 0 planted a fault on a request that never
+    ran while the run said it was planted, and N, the last one, was refused (found by a helper's
+    review). A dropped notification on a request that runs is found: a remote violation."""
+    p = argparse.ArgumentParser()
+    demo_sim.add_arguments(p)
+    args = p.parse_args(["--log-dir", str(tmp_path / "logs"), "--quiet", "--requests", "4",
+                         "--fault", "drop-notification", "--fault-request", str(request_n)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        got = demo_sim.run(args)
+    assert got == code, out.getvalue()[-2000:]
+    if code == 0:
+        assert f"on req-{request_n}" in out.getvalue() and "violations: 0 (local 0, remote 0)" not in \
+            out.getvalue().split("prefill-tp0")[1], out.getvalue()[-3000:]
+
+
 @pytest.mark.parametrize(("argv", "names"), [
     (["--prefill-tp", "3", "--decode-tp", "1"], "--prefill-tp 3"),
     (["--prefill-tp", "3", "--decode-tp", "6"], "--prefill-tp 3"),

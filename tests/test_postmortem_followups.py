@@ -447,6 +447,9 @@ def test_the_first_segment_named_alone_says_it_is_not_the_whole_log(tmp_path: Pa
     assert note and "one segment of a longer log" in note and segs[1].name in note, note
     code, out, _ = _run(capsys, "replay", str(tmp_path / "prefill-tp0"), "--json")
     assert code == 0 and _json(out)["logs"][0]["replay_note"] is None  # the whole log: nothing to say
+    code, out, _ = _run(capsys, "replay", str(segs[1]), "--json")  # a middle one: both notes (a helper's review)
+    note = _json(out)["logs"][0]["replay_note"]
+    assert code == 0 and "one segment of a longer log" in note and "not replayed" in note, note
 
 
 def test_a_reused_id_that_ends_in_the_same_state_twice_is_two_visits() -> None:

@@ -366,3 +366,49 @@ def test_report_draws_each_log_from_its_own_first_record() -> None:
         assert min(x for x, _ in bars[row]) < 310, (row, bars[row])
     assert max(w for _, w in bars["prefill producer p-1"]) > 900
     assert "clocks of different hosts are not compared" in render_report(logs)
+
+
+def test_a_segment_copied_into_a_run_directory_hides_none_of_its_worker_logs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: a run directory of worker logs into which a segment file was copied (an on-call
+    engineer gathering files), then `pdfsm replay RUN`.
+    Expected: every worker log is read, and the stray segment as a log of its own (named after
+    the run directory).
+    Before: only the stray segment was read, exit 0: the worker logs, with their violations,
+    were silently left out (found by a helper's review)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    log = write_worker_log(run / "decode-tp0", _decode())
+    other = write_worker_log(tmp_path / "elsewhere", _decode())
+    (segment,) = segment_paths(other)
+    (run / segment.name).write_bytes(segment.read_bytes())
+    assert [name for name, _ in expand([str(run)])] == ["run", "decode-tp0"]
+    code, out, _ = _run(capsys, "replay", str(run), "--timelines", "0")
+    assert code == 0 and f"{log.name}: replayed" in out and "run: replayed" in out, out
+
+
+def test_a_shell_glob_of_a_log_directory_reads_its_segments_not_its_lock(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: `pdfsm replay DIR/*` of a worker's log directory holding its writer.lock.
+    Expected: the log is replayed (exit 0). Before: exit 6, "writer.lock: NO LOG ... not a log
+    segment (an empty file)" (found by a helper's review). The lock named alone is still no log."""
+    log = write_worker_log(tmp_path / "decode-tp0", _decode())
+    (log / "writer.lock").write_bytes(b"")
+    code, out, _ = _run(capsys, "replay", *sorted(str(p) for p in log.iterdir()), "--timelines", "0")
+    assert code == 0 and "decode-tp0: replayed" in out, out
+    code, _, _ = _run(capsys, "replay", str(log / "writer.lock"))
+    assert code == 6
+
+
+@pytest.mark.parametrize("tool", ["trace", "report"])
+def test_trace_and_report_of_no_log_at_all_write_nothing(tmp_path: Path, tool: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: `pdfsm trace nosuch -o x.json` (a mistyped path).
+    Expected: exit 6 naming the path, and no file. Before: the file was written and the tool said
+    "wrote x.json: 1 logs" (found by a helper's review). One readable log among them still draws."""
+    out = tmp_path / "out"
+    code, said, err = _run(capsys, tool, str(tmp_path / "nosuch"), "-o", str(out))
+    assert code == 6 and "nosuch" in err and not out.exists() and "wrote" not in said
+    log = write_worker_log(tmp_path / "decode-tp0", _decode())
+    code, said, _ = _run(capsys, tool, str(tmp_path / "nosuch"), str(log), "-o", str(out))
+    assert code == 6 and out.exists() and "wrote" in said

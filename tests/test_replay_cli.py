@@ -234,3 +234,25 @@ def test_progress_only_on_a_terminal_unless_asked(monkeypatch: pytest.MonkeyPatc
     assert isinstance(postmortem.make_progress(None, json_mode=True), postmortem._NoProgress)
     monkeypatch.setitem(sys.modules, "rich.progress", None)  # rich not installed: a plain counter
     assert isinstance(postmortem.make_progress(None), postmortem._PlainProgress)
+
+
+def test_progress_into_a_file_is_plain_lines_ending_at_each_phases_count(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdfsm replay LOG --progress 2>err`: the docs promise a plain counter when stderr is not a
+    terminal. It wrote terminal escape codes and stopped at its first update ("611/5683"; found by
+    a helper's review). Now one line per update, no escape codes, and each phase's last count."""
+    from pdfsm import postmortem
+
+    clock = iter(x * 0.3 for x in range(100))
+    monkeypatch.setattr("pdfsm.postmortem.time.monotonic", lambda: next(clock))
+    bar = postmortem.make_progress(True)
+    bar.start("reading a", 5)
+    for i in range(1, 6):
+        bar.update(i)
+    bar.start("replaying a", 3)
+    bar.update(1)
+    bar.stop()
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\r" not in err
+    lines = err.splitlines()
+    assert lines[-1] == "replaying a: 1/3" and "reading a: 5/5" in lines
