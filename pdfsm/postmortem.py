@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from pdfsm.events import CoreConfig, Started
+from pdfsm.events import BlocksHeld, CoreConfig, ReadRequested, Started
 from pdfsm.filelog import (
     LOCK_NAME,
     MAGIC,
@@ -898,10 +898,27 @@ def _mixed_runs(logs: Sequence[LoadedLog], followed: Followed) -> list[str]:
             same.setdefault(worker, []).append(log)
     clashes = [f"{', '.join(log.name for log in group)} (engine {engine} pp_rank {pp} tp_rank {tp}; {_headers(group)})"
                for (engine, pp, tp), group in same.items() if len(group) > 1]
-    if not clashes:
+    out = [printable("logs of one worker from different runs (or restarts, or copies) are merged into this "
+                     f"timeline: {'; '.join(clashes)}; name one run's logs to follow the request in it")]
+    return (out if clashes else []) + _other_holds(logs, followed)
+
+
+def _other_holds(logs: Sequence[LoadedLog], followed: Followed) -> list[str]:
+    """A warning when the followed request's params name a hold none of the followed producer logs
+    made: their issue time matches no hold's (within its log's hold_skew_ns). The decode logs of
+    one run and the prefill logs of another merged into a story that never happened (found by a
+    helper's review); the same ids recur from run to run, the issue times do not."""
+    asked = {r.event.issued_wall_ns for _, r in followed.entries
+             if isinstance(r.event, ReadRequested) and r.event.issued_wall_ns}
+    skew = {log.name: log.config.hold_skew_ns for log in logs if log.config is not None}
+    held = [(name, r.event.issued_wall_ns) for name, r in followed.entries
+            if isinstance(r.event, BlocksHeld) and r.event.issued_wall_ns]
+    far = sorted({name for name, t in held if all(abs(t - a) > skew.get(name, 0) for a in asked)})
+    if not asked or not far:
         return []
-    return [printable("logs of one worker from different runs (or restarts, or copies) are merged into this "
-                      f"timeline: {'; '.join(clashes)}; name one run's logs to follow the request in it")]
+    return [printable(f"the decode side read params issued at {', '.join(map(str, sorted(asked)))} (wall clock, ns), "
+                      f"a hold that {', '.join(far)} never made: logs of different runs named together? Name one "
+                      "run's logs to follow the request in it")]
 
 
 def _headers(group: Sequence[LoadedLog]) -> str:

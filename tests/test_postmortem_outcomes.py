@@ -236,6 +236,33 @@ def test_logs_of_two_runs_merged_into_one_request_are_warned_about(sims: dict[st
     assert json.loads(out)["request"]["warnings"] == []
 
 
+@pytest.mark.parametrize(("issued_at", "warned"), [(60_000_000_000, True), (1_000_000, False)])
+def test_a_decode_log_and_a_prefill_log_of_different_runs_are_warned_about(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], issued_at: int, warned: bool) -> None:
+    """The decode log of one run and the prefill logs of another, named together: the ids recur
+    from run to run, so `--request p-1` told one story of both (the consumer reading 32 s after
+    the producer's hold expired; found by a helper's review). The params' issue time names the
+    hold: one no followed prefill log made (beyond its hold_skew_ns, 5 s) is warned about; the
+    same run's (a skew within it) is not."""
+    base = 1_700_000_000_000_000_000
+    sink = MemorySink()
+    producer = make_core(sink=sink, engine_id="P")
+    producer.apply(ev(BlocksHeld, request_id="p-1", block_ids=(1, 2), issued_wall_ns=base))
+    producer.log.flush()
+    write_worker_log(tmp_path / "prefill-tp0", sink.records)
+    sink = MemorySink()
+    consumer = make_core(sink=sink)
+    consumer.apply(read("d-1", remote="p-1", issued_wall_ns=base + issued_at, lease_ns=120_000_000_000))
+    consumer.log.flush()
+    write_worker_log(tmp_path / "decode-tp0", sink.records)
+    code, out, _ = _run(capsys, "replay", str(tmp_path / "prefill-tp0"), str(tmp_path / "decode-tp0"),
+                        "--request", "p-1", "--json")
+    warnings = json.loads(out)["request"]["warnings"]
+    assert code == 0 and len(warnings) == int(warned), warnings
+    if warned:
+        assert "a hold that prefill-tp0 never made: logs of different runs named together?" in warnings[0]
+
+
 # --- 6. a file that is not a log -------------------------------------------------------------------------
 
 
