@@ -444,14 +444,18 @@ def test_trace_is_valid_chrome_trace_json_for_every_planted_fault(sim: dict[str,
 
 def test_trace_and_report_exit_codes_as_documented(damaged: dict[str, Path], sim: dict[str, Path], tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """trace: only 4, 5, 6 (it does not replay); report: replay's code, the page written anyway; both 2
-    when -o cannot be written."""
+    """trace: only 4, 5, 6 (it does not replay); report: replay's code, the page written anyway, but
+    for no log read at all (nothing to draw: neither writes a file); both 2 when -o cannot be
+    written."""
     expect = {"divergent": (0, 3), "corrupt": (4, 4), "unsupported": (5, 5), "missing": (6, 6), "torn": (0, 0)}
     for name, (trace_code, report_code) in expect.items():
         trace, page = tmp_path / f"{name}.json", tmp_path / f"{name}.html"
         assert _run(capsys, "trace", str(damaged[name]), "-o", str(trace))[0] == trace_code, name
         assert _run(capsys, "report", str(damaged[name]), "-o", str(page))[0] == report_code, name
-        assert json.loads(trace.read_text())["traceEvents"] and "</html>" in page.read_text()
+        if name == "missing":
+            assert not trace.exists() and not page.exists()
+        else:
+            assert json.loads(trace.read_text())["traceEvents"] and "</html>" in page.read_text()
     nowhere = tmp_path / "no-such-dir"
     for tool in ("trace", "report"):
         code, _, err = _run(capsys, tool, str(sim["none"]), "-o", str(nowhere / "out"))
