@@ -261,16 +261,24 @@ def _check_host(value: object, field: str = "host") -> str:
     if value == "" and field == "host":
         return ""
     host = _check_id(field, value)
-    if host.startswith("[") and host.endswith("]"):
-        raise InvalidInput(field, f"{host!r}: write an IPv6 address without brackets ({host[1:-1]!r})")
-    try:
-        unspecified = ipaddress.ip_address(host.split("%")[0]).is_unspecified
-    except ValueError:  # a host name
-        return host
-    if unspecified:
-        raise InvalidInput(field, f"{host!r} names every interface, not one a consumer can reach: name this "
-                                  "engine's address (the side channel's host)")
+    why = _unreachable(host)
+    if why is not None:
+        raise InvalidInput(field, why)
     return host
+
+
+@functools.lru_cache(maxsize=256)
+def _unreachable(host: str) -> str | None:
+    """Why no consumer can dial ``host``, or None. Cached: a load checks its params' host, and a
+    worker reads from a few producers."""
+    if host.startswith("[") and host.endswith("]"):
+        return f"{host!r}: write an IPv6 address without brackets ({host[1:-1]!r})"
+    try:
+        unspecified = ipaddress.ip_address(host.split("%", maxsplit=1)[0]).is_unspecified
+    except ValueError:  # a host name
+        return None
+    return (f"{host!r} names every interface, not one a consumer can reach: name this engine's address "
+            "(the side channel's host)") if unspecified else None
 
 
 def _encodes(value: str) -> bool:
