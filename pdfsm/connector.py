@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -165,7 +166,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInput("remote_block_ids", "names no block: with no remote blocks there is nothing to "
                                                    "read and no hold to release (vLLM PR 18590: no notification "
                                                    "for such a request)")
-        _check_host(parsed.remote_host, "remote_host")  # "" names no listener: every handshake would fail
+        _check_dialable("remote_host", _check_id("remote_host", parsed.remote_host))  # "" names no listener
         if not _encodes(parsed.remote_incarnation):  # every other string is checked as an id
             raise InvalidInput("remote_incarnation", "must be valid Unicode (no lone surrogates)")
         if parsed.remote_incarnation_pp is not None and parsed.remote_incarnation_pp >= parsed.remote_pp_size:
@@ -253,32 +254,38 @@ def _check_id(field: str, value: object) -> str:
     return value
 
 
-def _check_host(value: object, field: str = "host") -> str:
-    """An address a consumer can handshake with ("" for the Connector's own: a consumer-only worker).
-    A wildcard names every interface and no listener (a consumer dialling 0.0.0.0 reaches its own
-    host, another engine's listener there), and a bracketed IPv6 literal no host at all (SGLang PR
-    10389): both refused here rather than by every consumer's handshake."""
-    if value == "" and field == "host":
-        return ""
-    host = _check_id(field, value)
-    why = _unreachable(host)
+def _check_host(value: object) -> str:
+    return "" if value == "" else _check_id("host", value)
+
+
+def _check_dialable(field: str, host: str) -> None:
+    """Refuse an address params name that no consumer can dial: a wildcard names every interface
+    and no listener (a consumer dialling 0.0.0.0 reaches its own host, another engine's listener
+    there), and a bracketed IPv6 literal no host at all (SGLang PR 10389). Checked where params
+    are minted and loaded, not by every consumer's handshake."""
+    why = _undialable(host)
     if why is not None:
         raise InvalidInput(field, why)
-    return host
 
 
 @functools.lru_cache(maxsize=256)
-def _unreachable(host: str) -> str | None:
+def _undialable(host: str) -> str | None:
     """Why no consumer can dial ``host``, or None. Cached: a load checks its params' host, and a
     worker reads from a few producers."""
     if host.startswith("[") and host.endswith("]"):
         return f"{host!r}: write an IPv6 address without brackets ({host[1:-1]!r})"
     try:
-        unspecified = ipaddress.ip_address(host.split("%", maxsplit=1)[0]).is_unspecified
-    except ValueError:  # a host name
-        return None
-    return (f"{host!r} names every interface, not one a consumer can reach: name this engine's address "
-            "(the side channel's host)") if unspecified else None
+        addr = ipaddress.ip_address(host.split("%", maxsplit=1)[0])
+    except ValueError:
+        try:  # the old IPv4 spellings resolvers still take ("0", "0x0", "0.0")
+            addr = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:  # a host name
+            return None
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    if addr.is_unspecified or (mapped is not None and mapped.is_unspecified):
+        return (f"{host!r} names every interface, not one a consumer can reach: name this engine's address "
+                "(the side channel's host)")
+    return None
 
 
 def _encodes(value: str) -> bool:
@@ -476,11 +483,12 @@ class Connector:
         self._writing: dict[int, str] = {}
         self._writes: dict[str, tuple[int, ...]] = {}
         # Local blocks held for remote consumers, until their hold is reported finished sending
-        # (id -> blocks; block -> its holds, several where prefixes share blocks). A worker both
-        # loads and holds (kv_both): no load may write a held block (a consumer may be reading
-        # it), and no hold may offer a block a load may still write (vLLM issue 46240).
+        # (id -> blocks). A worker both loads and holds (kv_both): no load may write a held block
+        # (a consumer may be reading it), and no hold may offer a block a load may still write
+        # (vLLM issue 46240). The index block -> holds (several where prefixes share blocks) is
+        # built at the first load that meets a hold: a prefill-only worker never pays for it.
         self._holds: dict[str, tuple[int, ...]] = {}
-        self._held: dict[int, set[str]] = {}
+        self._held: dict[int, set[str]] | None = None
         if predecessor is not None:  # its params stay single-use here, and blocks it may still write stay taken
             self._loaded.update(predecessor._loaded)
             self._loaded.update(predecessor._live_loads)
@@ -537,13 +545,14 @@ class Connector:
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
             raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
                                             "and has no params to give")
-        if not self._writing.keys().isdisjoint(blocks):  # its consumer would read bytes a read still writes
-            block = next(b for b in blocks if b in self._writing)
+        if self._writing and not self._writing.keys().isdisjoint(blocks):  # its consumer would read bytes a
+            block = next(b for b in blocks if b in self._writing)  # read still writes
             raise InvalidInput("block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
                                             "hold it once that request is reported finished")
         if not self.host:
             raise InvalidInput("host", "this Connector was built with host='' (consumer-only): params it "
                                        "minted would name no listener to handshake with")
+        _check_dialable("host", self.host)  # a consumer-only worker may be built with its bind address
         if lease_ns is not None:
             _check_int("lease_ns", lease_ns, low=1)
         self._check_fresh(rid, PRODUCER)
@@ -615,11 +624,11 @@ class Connector:
                                            "that long before the lease, so none of them could be trusted")
         if len(set(local)) != len(local):  # two reads would race to write one block
             raise InvalidInput("local_block_ids", "a block id is repeated")
-        if not self._writing.keys().isdisjoint(local):
+        if self._writing and not self._writing.keys().isdisjoint(local):
             block = next(b for b in local if b in self._writing)
             raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
                                                   "it is free again once that request is reported finished")
-        if self._held and not self._held.keys().isdisjoint(local):  # a consumer may be reading it
+        if self._holds and not self._held_index().keys().isdisjoint(local):  # a consumer may be reading it
             for block in local:
                 holder = self._holder(block)
                 if holder is not None:
@@ -771,11 +780,11 @@ class Connector:
                 if first != ev.request_id:
                     raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
                                        f"which {first!r} loads into too", request_id=ev.request_id)
-        for held in holds:  # a load of this step into a block held in it (the checks above see earlier ones)
-            block = next((b for b in held.block_ids if b in writers), None)
+        for held in holds if writers else ():  # a load of this step into a block held in it (the checks
+            block = next((b for b in held.block_ids if b in writers), None)  # above see earlier ones)
             if block is not None:
-                raise InvalidInput(f"reqs_to_send[{held.request_id!r}]", f"holds local block {block}, which "
-                                   f"{writers[block]!r} loads into in the same step", request_id=held.request_id)
+                raise InvalidInput(f"reqs_to_send[{held.request_id!r}].block_ids", f"holds local block {block}, "
+                                   f"which {writers[block]!r} loads into in the same step", request_id=held.request_id)
         for ev, minting in loads:
             self._submit_load(ev, minting)
         for held in holds:
@@ -905,14 +914,30 @@ class Connector:
     def _submit_hold(self, ev: BlocksHeld) -> None:
         self._queued[PRODUCER].add(ev.request_id)
         self._holds[ev.request_id] = ev.block_ids
-        for block in ev.block_ids:
-            self._held.setdefault(block, set()).add(ev.request_id)
+        if self._held is not None:
+            self._index(ev.request_id, ev.block_ids)
         self.core.submit(ev)
+
+    def _held_index(self) -> dict[int, set[str]]:
+        if self._held is None:
+            self._held = {}
+            for rid, blocks in self._holds.items():
+                self._index(rid, blocks)
+        return self._held
+
+    def _index(self, rid: str, blocks: tuple[int, ...]) -> None:
+        held = self._held_index()
+        for block in blocks:
+            holds = held.get(block)
+            if holds is None:
+                held[block] = {rid}
+            else:
+                holds.add(rid)
 
     def _holder(self, block: int) -> str | None:
         """A live hold of ``block``, if any. A hold the core refused is never reported finished
         sending: it is let go here, when first met."""
-        for rid in sorted(self._held.get(block, ())):
+        for rid in sorted(self._held_index().get(block, ())):
             m = self.core.producers.get(rid)
             if rid in self._queued[PRODUCER] or (m is not None and m.state is ProducerStates.HOLDING):
                 return rid
@@ -920,7 +945,10 @@ class Connector:
         return None
 
     def _unhold(self, rid: str) -> None:
-        for block in self._holds.pop(rid, ()):
+        blocks = self._holds.pop(rid, ())
+        if self._held is None:
+            return
+        for block in blocks:
             holds = self._held[block]
             holds.discard(rid)
             if not holds:
@@ -1000,12 +1028,12 @@ class Connector:
     def busy(self) -> bool:
         """Work only this worker's steps move is left: a consumer request not reported yet (or a
         notify-only one still telling its producer), a producer hold not released or expired yet,
-        events, hand-offs or cancels not carried out yet. Keep calling :meth:`get_finished` while
-        it is true, also when the scheduler tracks no request: a notify-only load's handshake and
-        its notices move only inside a step, and its producer would hold the blocks until its
-        lease (found by a helper's hunt). False once shut down."""
+        events, hand-offs or cancels not carried out yet, reports not handed out yet. Keep calling
+        :meth:`get_finished` while it is true, also when the scheduler tracks no request: a
+        notify-only load's handshake and its notices move only inside a step, and its producer
+        would hold the blocks until its lease (found by a helper's hunt). False once shut down."""
         core = self.core
-        return not self._closed and bool(core.consumers or core.producers or core.pending_hand_offs
+        return not self._closed and bool(core.consumers or core.producers or core.pending_hand_offs or self._out
                                          or core.log.inbox or self._recancel or any(self._queued.values()))
 
     @_one_caller

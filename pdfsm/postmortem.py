@@ -913,7 +913,8 @@ def _other_holds(logs: Sequence[LoadedLog], followed: Followed) -> list[str]:
     skew = {log.name: log.config.hold_skew_ns for log in logs if log.config is not None}
     held = [(name, r.event.issued_wall_ns) for name, r in followed.entries
             if isinstance(r.event, BlocksHeld) and r.event.issued_wall_ns]
-    far = sorted({name for name, t in held if all(abs(t - a) > skew.get(name, 0) for a in asked)})
+    made = {name for name, t in held if any(abs(t - a) <= skew.get(name, 0) for a in asked)}
+    far = sorted({name for name, _ in held} - made)  # a log holding the id again later still made it
     if not asked or not far:
         return []
     return [printable(f"the decode side read params issued at {', '.join(map(str, sorted(asked)))} (wall clock, ns), "

@@ -383,6 +383,7 @@ def report_command(args: argparse.Namespace) -> int:
             print(f"pdfsm report: {log.name}: {printable(log.error.splitlines()[0])}", file=sys.stderr)
     code = next((int(log.exit_code) for log in logs if log.exit_code), 0)  # the first failing log's, as replay
     if all(log.status == "no_log" for log in logs):  # nothing to draw: no page saying "wrote N logs"
+        print(f"pdfsm report: no log could be read: {printable(args.output)} not written", file=sys.stderr)
         return code
     if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
         return Exit.USAGE

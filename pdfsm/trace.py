@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -110,6 +111,7 @@ def trace_command(args: argparse.Namespace) -> int:
     logs = load_all(args.logs, check=False)
     code = warn_unreadable(logs, "pdfsm trace")
     if all(log.status == "no_log" for log in logs):  # nothing to draw: no file saying "wrote N logs"
+        print(f"pdfsm trace: no log could be read: {printable(args.output)} not written", file=sys.stderr)
         return code
     doc = chrome_trace([(log.name, log.records) for log in logs], events=not args.no_events)
     if not write_output(args.output, json.dumps(doc, separators=(",", ":")), "pdfsm trace"):

@@ -401,20 +401,25 @@ def _consumer(**cfg: object) -> tuple[Connector, KVTransferParams]:
 
 
 @pytest.mark.parametrize(("host", "why"), [("0.0.0.0", "names every interface"), ("::", "names every interface"),
+                                           ("0", "names every interface"), ("0x0", "names every interface"),
+                                           ("::ffff:0.0.0.0", "names every interface"),
                                            ("[::1]", "without brackets")])
 def test_params_naming_no_reachable_listener_are_refused_where_they_are_minted_and_loaded(host: str, why: str) -> None:
     """Dynamo issue 4855 / SGLang PR 10389: a wildcard address names no listener (a consumer
     dialling 0.0.0.0 reaches its own host: another engine's listener there answered, and the
     request failed as an engine-id mismatch), and a bracketed IPv6 literal no host ("Name or
-    service not known"). Refused by the producer's Connector and by ``load`` (a router's params),
-    naming the field; a plain IPv6 literal and a host name are fine."""
+    service not known"). Refused where params are minted (``request_finished``, naming ``host``:
+    a consumer-only worker may still be built with its bind address) and by ``load`` (a router's
+    params, naming ``remote_host``); the old IPv4 spellings of 0.0.0.0 too. A plain IPv6 literal
+    and a host name are fine."""
     from transports.sim import SimNetwork
 
     net = SimNetwork()
+    worker = Connector(CoreConfig(engine_id="P", compat_hash="h"), SimTransport(net, "P-0"), SimHandshaker(net),
+                       host=host, port=9)  # built: it may only ever load
     with pytest.raises(InvalidInput, match=why) as err:
-        Connector(CoreConfig(engine_id="P", compat_hash="h"), SimTransport(net, "P-0"), SimHandshaker(net),
-                  host=host, port=9)
-    assert err.value.field == "host"
+        worker.request_finished("p-1", [1, 2])
+    assert err.value.field == "host" and "p-1" not in worker.core.producers
     consumer, params = _consumer()
     with pytest.raises(InvalidInput, match=why) as err:
         consumer.load("r", [3, 4], {**params.to_dict(), "remote_host": host})

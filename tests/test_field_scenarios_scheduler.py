@@ -618,7 +618,7 @@ def test_a_load_into_blocks_held_for_a_remote_consumer_is_refused_until_they_are
         k.w.load("r", [5, 6], k.p.request_finished("p-r", [1, 2]))
     assert err.value.field == "local_block_ids"
     params = k.p.request_finished("p-s", [3, 4])
-    with pytest.raises(InvalidInput, match=r"reqs_to_send\['h2'\]: holds local block 8, which 's' loads into"):
+    with pytest.raises(InvalidInput, match=r"reqs_to_send\['h2'\]\.block_ids: holds local block 8, which 's'"):
         k.w.start_load_kv(ConnectorMetadata(reqs_to_recv={"s": ((8, 9), params)}, reqs_to_send={"h2": (8,)}))
     assert "s" not in k.w.core.consumers and "h2" not in k.w.core.producers  # nothing of the step taken
     k.w.core.submit(NotificationReceived(source="transfer", t_ns=k.now, request_id="h", part=0, of=1))  # read
@@ -656,3 +656,18 @@ def test_a_notify_only_load_keeps_its_worker_busy_until_the_producer_is_told() -
     assert rig.recv[0] == {"r2": 1} and not d.busy()
     d.shutdown()
     assert not d.busy()
+
+
+def test_a_report_waiting_for_get_finished_keeps_the_worker_busy() -> None:
+    """``start_load_kv`` runs a step that may finish a hold: its report waits for the next
+    ``get_finished``. ``busy()`` said False then (found by review), and a loop stopping once not
+    busy lost the report: the scheduler never freed the blocks."""
+    rig = Rig()
+    p = rig.p[0]
+    rig.load("r", [5, 6], rig.prefill("p1", [1, 2]))
+    for _ in range(6):  # the decode side reads and notifies; the producer is not stepped
+        rig.now += 1_000
+        rig.d[0].get_finished()
+    p.start_load_kv(ConnectorMetadata())  # the step that applies the notice
+    assert p.busy() and not p.core.producers  # released: only its report is left
+    assert p.get_finished()[0] == {"p1"} and not p.busy()

@@ -320,6 +320,7 @@ def test_vllm_tp_above_kv_heads_on_the_prefill_side_reads_each_head_once_and_tel
     (2, 4, "KV heads differ: local 2, remote 4"),
     (2, 0, "KV heads differ: local 2, remote 0"),
     (0, 2, "KV heads differ: local 0, remote 2"),
+    (8, 4, "KV heads differ: local 8, remote 4"),  # two counts: never alike, even if both plan so
 ])
 def test_engines_saying_different_kv_heads_is_a_remote_layout_failure(local: int, remote: int, why: str) -> None:
     """Both engines must say the same heads (the plan of one would move wrong bytes for the other):
@@ -374,3 +375,15 @@ def test_the_side_channel_bounds_a_replys_kv_heads() -> None:
     check_reply(reply("P", kv_heads=MAX_KV_HEADS))
     with pytest.raises(WireError, match="kv_heads"):
         check_reply(reply("P", kv_heads=MAX_KV_HEADS + 1))
+
+
+@pytest.mark.parametrize(("local", "remote"), [(8, 0), (0, 8), (4, 0)])
+def test_a_head_count_said_by_one_engine_only_is_accepted_where_it_changes_no_plan(local: int, remote: int) -> None:
+    """A rolling upgrade: one engine says the model's heads, its peer (older) says nothing (0).
+    Unsaid plans as heads enough for the larger TP, so where the said count is at least both TPs
+    (here 4 and 1) both plan alike and the handshake is accepted (found by review: it failed every
+    request). Where it is fewer (heads held by several ranks), it still fails, as above."""
+    core = make_core(strict=False, tp_size=4, kv_heads=local)
+    core.apply(read("r1", remote_tp=1))
+    core.apply(ev(HandshakeDone, engine_id="P", pp_rank=0, attempt=1, reply=reply("P", kv_heads=remote)))
+    assert core.engines[("P", 0)].state.name == "CONNECTING"

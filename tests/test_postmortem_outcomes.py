@@ -263,6 +263,29 @@ def test_a_decode_log_and_a_prefill_log_of_different_runs_are_warned_about(
         assert "a hold that prefill-tp0 never made: logs of different runs named together?" in warnings[0]
 
 
+def test_a_prefill_log_that_held_the_id_again_later_made_the_hold_all_the_same(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A producer that held p-1, released it and held the id again (reuse is supported): the
+    params of the second hold are followed. No warning: one of the log's holds matches (found by
+    review: any far hold warned)."""
+    base = 1_700_000_000_000_000_000
+    sink = MemorySink()
+    producer = make_core(sink=sink, engine_id="P", tombstones=0)
+    producer.apply(ev(BlocksHeld, request_id="p-1", block_ids=(1, 2), issued_wall_ns=base))
+    producer.apply(ev(NotificationReceived, request_id="p-1", part=0, of=1, issued_wall_ns=base))
+    producer.apply(ev(BlocksHeld, request_id="p-1", block_ids=(3, 4), issued_wall_ns=base + 600_000_000_000))
+    producer.log.flush()
+    write_worker_log(tmp_path / "prefill-tp0", sink.records)
+    sink = MemorySink()
+    consumer = make_core(sink=sink)
+    consumer.apply(read("d-1", remote="p-1", issued_wall_ns=base + 600_000_000_000, lease_ns=120_000_000_000))
+    consumer.log.flush()
+    write_worker_log(tmp_path / "decode-tp0", sink.records)
+    code, out, _ = _run(capsys, "replay", str(tmp_path / "prefill-tp0"), str(tmp_path / "decode-tp0"),
+                        "--request", "p-1", "--json")
+    assert code == 0 and json.loads(out)["request"]["warnings"] == [], out
+
+
 # --- 6. a file that is not a log -------------------------------------------------------------------------
 
 

@@ -409,6 +409,9 @@ def test_trace_and_report_of_no_log_at_all_write_nothing(tmp_path: Path, tool: s
     out = tmp_path / "out"
     code, said, err = _run(capsys, tool, str(tmp_path / "nosuch"), "-o", str(out))
     assert code == 6 and "nosuch" in err and not out.exists() and "wrote" not in said
+    out.write_text("an earlier run's")  # left as it was, and said so
+    code, said, err = _run(capsys, tool, str(tmp_path / "nosuch"), "-o", str(out))
+    assert code == 6 and f"{out} not written" in err and out.read_text() == "an earlier run's"
     log = write_worker_log(tmp_path / "decode-tp0", _decode())
     code, said, _ = _run(capsys, tool, str(tmp_path / "nosuch"), str(log), "-o", str(out))
     assert code == 6 and out.exists() and "wrote" in said
