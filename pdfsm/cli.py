@@ -21,13 +21,17 @@ __all__ = ["main"]
 
 def _diagram(args: argparse.Namespace) -> int:
     if args.markdown:
+        if args.machine is not None or args.format is not None:  # they were ignored (found by a helper's review)
+            print("pdfsm diagram: --markdown is the whole page (every machine, Mermaid): "
+                  "name no machine and no --format with it", file=sys.stderr)
+            return 2
         text = diagram.markdown()
     else:
         if args.machine is None:
             print("pdfsm diagram: name a machine (consumer, producer, engine) or pass --markdown", file=sys.stderr)
             return 2
         table = diagram.TABLES[args.machine]
-        text = diagram.mermaid(table) if args.format == "mermaid" else diagram.dot(table)
+        text = diagram.dot(table) if args.format == "dot" else diagram.mermaid(table)
     if args.output:
         from pdfsm.postmortem import write_output
 
@@ -70,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("diagram", help="render a machine's transition table")
     d.add_argument("machine", nargs="?", choices=sorted(diagram.TABLES))
-    d.add_argument("--format", choices=("mermaid", "dot"), default="mermaid")
+    d.add_argument("--format", choices=("mermaid", "dot"), help="mermaid (the default) or dot")
     d.add_argument("--markdown", action="store_true", help="the whole docs/state-machines.md page")
     d.add_argument("-o", "--output", help="write to this file instead of stdout")
     d.set_defaults(func=_diagram)

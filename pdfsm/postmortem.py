@@ -286,6 +286,8 @@ def expand(paths: Iterable[str]) -> list[tuple[str, Path]]:
         seen.add(real)
         # absolute(): the directory of a segment named as "0000.pdlog" from inside it
         name = log.absolute().parent.name if is_file and log.name[:1].isdigit() else log.name
+        if name in ("", ".", ".."):  # `replay .` from inside the log: its directory's own name
+            name = real.name
         found.append((printable(name or str(log)), log))
     out: list[tuple[str, Path]] = []
     taken = {name for name, _ in found}  # every log's own name

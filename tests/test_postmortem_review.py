@@ -415,3 +415,31 @@ def test_trace_and_report_of_no_log_at_all_write_nothing(tmp_path: Path, tool: s
     log = write_worker_log(tmp_path / "decode-tp0", _decode())
     code, said, _ = _run(capsys, tool, str(tmp_path / "nosuch"), str(log), "-o", str(out))
     assert code == 6 and out.exists() and "wrote" in said
+
+
+def test_a_log_named_as_dot_from_inside_it_is_named_after_its_directory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: `cd decode-tp0; pdfsm replay . --at decode-tp0:3`.
+    Expected: the log is named decode-tp0, as its segment named from there is. Before: it was
+    named ".", in timelines and for --at (found by a helper's review)."""
+    log = write_worker_log(tmp_path / "decode-tp0", _decode())
+    monkeypatch.chdir(log)
+    assert expand(["."]) == [("decode-tp0", Path("."))]
+    code, out, _ = _run(capsys, "replay", ".", "--at", "decode-tp0:3", "--timelines", "0")
+    assert code == 0 and "machines at seq 3" in out
+
+
+@pytest.mark.parametrize("argv", [("--markdown", "--format", "dot"), ("consumer", "--markdown"),
+                                  ("--markdown", "--format", "mermaid")])
+def test_diagram_markdown_with_a_machine_or_format_is_a_usage_error(argv: tuple[str, ...],
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdfsm diagram --markdown --format dot` printed the Mermaid page, ignoring --format (and a
+    machine name): found by a helper's review. Refused now, naming why; each alone still works."""
+    code, out, err = _run(capsys, "diagram", *argv)
+    assert code == 2 and "--markdown is the whole page" in err and not out
+    assert _run(capsys, "diagram", "--markdown")[0] == 0
+    code, out, _ = _run(capsys, "diagram", "consumer", "--format", "dot")
+    assert code == 0 and out.startswith("digraph")
+    code, out, _ = _run(capsys, "diagram", "consumer")
+    assert code == 0 and "stateDiagram" in out
