@@ -21,9 +21,7 @@ accepted is touched.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import re
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -71,7 +69,15 @@ from pdfsm.events import (
 from pdfsm.log import EventLog
 from pdfsm.producer import S as ProducerStates
 from pdfsm.topology import MAX_KV_HEADS, MAX_RANKS, ReadPlan, TopologyError, heads_problem
-from pdfsm.wire import MAX_BLOCK_SIZE, MAX_EXTEND_NS, MAX_HASH_CHARS, MAX_ID_CHARS, HeartbeatMessage, Notification
+from pdfsm.wire import (
+    MAX_BLOCK_SIZE,
+    MAX_EXTEND_NS,
+    MAX_HASH_CHARS,
+    MAX_ID_CHARS,
+    HeartbeatMessage,
+    Notification,
+    every_interface,
+)
 from transports.base import Clock, Handshaker, Transport
 
 __all__ = ["Connector", "ConnectorMetadata", "KVTransferParams", "StepOutput"]
@@ -263,29 +269,11 @@ def _check_dialable(field: str, host: str) -> None:
     and no listener (a consumer dialling 0.0.0.0 reaches its own host, another engine's listener
     there), and a bracketed IPv6 literal no host at all (SGLang PR 10389). Checked where params
     are minted and loaded, not by every consumer's handshake."""
-    why = _undialable(host)
-    if why is not None:
-        raise InvalidInput(field, why)
-
-
-@functools.lru_cache(maxsize=256)
-def _undialable(host: str) -> str | None:
-    """Why no consumer can dial ``host``, or None. Cached: a load checks its params' host, and a
-    worker reads from a few producers."""
     if host.startswith("[") and host.endswith("]"):
-        return f"{host!r}: write an IPv6 address without brackets ({host[1:-1]!r})"
-    try:
-        addr = ipaddress.ip_address(host.split("%", maxsplit=1)[0])
-    except ValueError:
-        try:  # the old IPv4 spellings resolvers still take ("0", "0x0", "0.0")
-            addr = ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:  # a host name
-            return None
-    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
-    if addr.is_unspecified or (mapped is not None and mapped.is_unspecified):
-        return (f"{host!r} names every interface, not one a consumer can reach: name this engine's address "
-                "(the side channel's host)")
-    return None
+        raise InvalidInput(field, f"{host!r}: write an IPv6 address without brackets ({host[1:-1]!r})")
+    if every_interface(host):
+        raise InvalidInput(field, f"{host!r} names every interface, not one a consumer can reach: name this "
+                                  "engine's address (the side channel's host)")
 
 
 def _encodes(value: str) -> bool:
@@ -302,6 +290,15 @@ def _check_int(field: str, value: object, *, low: int, high: int = MAX_DURATION_
     if type(value) is not int or not low <= value <= high:
         raise InvalidInput(field, f"must be an int in {low}..{high}, got {value!r}")
     return value
+
+
+def _index(held: dict[int, set[str]], rid: str, blocks: tuple[int, ...]) -> None:
+    for block in blocks:
+        holds = held.get(block)
+        if holds is None:
+            held[block] = {rid}
+        else:
+            holds.add(rid)
 
 
 def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
@@ -628,13 +625,12 @@ class Connector:
             block = next(b for b in local if b in self._writing)
             raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
                                                   "it is free again once that request is reported finished")
-        if self._holds and not self._held_index().keys().isdisjoint(local):  # a consumer may be reading it
-            for block in local:
-                holder = self._holder(block)
-                if holder is not None:
-                    raise InvalidInput("local_block_ids", f"block {block} is held for {holder!r}, whose consumer "
-                                                          "may still read it: it is free again once that request "
-                                                          "is reported finished sending")
+        held = self._held_index() if self._holds else {}
+        if held and not held.keys().isdisjoint(local):  # a consumer may be reading it
+            block = next(b for b in local if b in held)
+            raise InvalidInput("local_block_ids", f"block {block} is held for {min(held[block])!r}, whose consumer "
+                                                  "may still read it: it is free again once that request is "
+                                                  "reported finished sending")
         now = self._clock()
         if lease_start_ns is not None:  # before the clock's zero is a real start (a process-relative clock)
             _check_int("lease_start_ns", lease_start_ns, low=-MAX_DURATION_NS)
@@ -780,8 +776,8 @@ class Connector:
                 if first != ev.request_id:
                     raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
                                        f"which {first!r} loads into too", request_id=ev.request_id)
-        for held in holds if writers else ():  # a load of this step into a block held in it (the checks
-            block = next((b for b in held.block_ids if b in writers), None)  # above see earlier ones)
+        for held in holds:  # a load of this step into a block held in it (the checks above see earlier ones)
+            block = next((b for b in held.block_ids if b in writers), None) if writers else None
             if block is not None:
                 raise InvalidInput(f"reqs_to_send[{held.request_id!r}].block_ids", f"holds local block {block}, "
                                    f"which {writers[block]!r} loads into in the same step", request_id=held.request_id)
@@ -915,34 +911,17 @@ class Connector:
         self._queued[PRODUCER].add(ev.request_id)
         self._holds[ev.request_id] = ev.block_ids
         if self._held is not None:
-            self._index(ev.request_id, ev.block_ids)
+            _index(self._held, ev.request_id, ev.block_ids)
         self.core.submit(ev)
 
     def _held_index(self) -> dict[int, set[str]]:
+        """Block -> the holds of it, built when first asked (a hold submitted here always ends
+        reported finished sending: its id was checked fresh, so the core never refuses it)."""
         if self._held is None:
             self._held = {}
             for rid, blocks in self._holds.items():
-                self._index(rid, blocks)
+                _index(self._held, rid, blocks)
         return self._held
-
-    def _index(self, rid: str, blocks: tuple[int, ...]) -> None:
-        held = self._held_index()
-        for block in blocks:
-            holds = held.get(block)
-            if holds is None:
-                held[block] = {rid}
-            else:
-                holds.add(rid)
-
-    def _holder(self, block: int) -> str | None:
-        """A live hold of ``block``, if any. A hold the core refused is never reported finished
-        sending: it is let go here, when first met."""
-        for rid in sorted(self._held_index().get(block, ())):
-            m = self.core.producers.get(rid)
-            if rid in self._queued[PRODUCER] or (m is not None and m.state is ProducerStates.HOLDING):
-                return rid
-            self._unhold(rid)
-        return None
 
     def _unhold(self, rid: str) -> None:
         blocks = self._holds.pop(rid, ())

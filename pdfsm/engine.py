@@ -49,7 +49,7 @@ from pdfsm.events import (
     Source,
 )
 from pdfsm.fsm import Fault, Go, Ignore, Illegal, Machine, State, Table, on
-from pdfsm.topology import heads_problem
+from pdfsm.topology import heads_agree, heads_problem
 
 if TYPE_CHECKING:
     from pdfsm.core import Core
@@ -171,10 +171,7 @@ def validate_reply(m: RemoteEngine, reply: HandshakeReply, core: Core) -> Handsh
         return LayoutMismatch(f"block sizes differ: local {cfg.block_size}, remote {reply.block_size}")
     if reply.mla != cfg.mla:
         return LayoutMismatch(f"MLA differs: local {cfg.mla}, remote {reply.mla}")
-    if reply.kv_heads != cfg.kv_heads and (min(reply.kv_heads, cfg.kv_heads) or max(reply.kv_heads, cfg.kv_heads)
-                                           < max(reply.tp_size, cfg.tp_size)):
-        # Unsaid (0) plans as heads enough for the larger TP: one side saying as many or more (an
-        # engine upgraded before its peers) plans alike; fewer, or two counts, never do.
+    if not heads_agree(cfg.kv_heads, reply.kv_heads, cfg.tp_size, reply.tp_size):
         return LayoutMismatch(f"KV heads differ: local {cfg.kv_heads}, remote {reply.kv_heads}")
     why = heads_problem(reply.tp_size, cfg.kv_heads) if cfg.kv_heads else None
     if why is not None:

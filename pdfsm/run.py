@@ -120,6 +120,10 @@ def check_sizes(args: argparse.Namespace, names: Iterable[str]) -> None:
         raise UsageError(f"--prefill-tp {args.prefill_tp} --decode-tp {args.decode_tp}: {exc}") from None
 
 
+def _kv_heads(args: argparse.Namespace) -> int:
+    return HEADS if args.kv_heads is None else int(args.kv_heads)
+
+
 def check_options(args: argparse.Namespace) -> None:
     """Refuse what could only fail or silently not do what was asked, naming the option."""
     check_sizes(args, ("requests", "prefill_tp", "decode_tp", "prefill_pp", "max_blocks", "in_flight"))
@@ -127,7 +131,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--prefill-pp {args.prefill_pp}: the demo model has {LAYERS} layers")
     if args.mla and args.kv_heads is not None:
         raise UsageError(f"--kv-heads {args.kv_heads} with --mla: MLA's latent is one head on every rank")
-    heads = HEADS if args.kv_heads is None else args.kv_heads
+    heads = _kv_heads(args)
     if not 1 <= heads <= MAX_DEMO_HEADS:  # each engine allocates its KV pool for them up front
         raise UsageError(f"--kv-heads {heads}: 1 to {MAX_DEMO_HEADS} in the demo")
     for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
@@ -283,7 +287,7 @@ def _engine_args(args: argparse.Namespace, role: str, log_dir: Path) -> list[str
     argv = ["--engine-id", "prefill" if prefill else "decode", "--tp", str(tp),
             "--pp", str(args.prefill_pp if prefill else 1), "--remote-pp", str(1 if prefill else args.prefill_pp),
             "--layers", str(LAYERS), "--lease-s", str(lease), "--log-dir", str(log_dir), "--kv-device", args.kv_device]
-    argv += ["--mla"] if args.mla else ["--heads", str(HEADS if args.kv_heads is None else args.kv_heads)]
+    argv += ["--mla"] if args.mla else ["--heads", str(_kv_heads(args))]
     if prefill:
         if "wrong-engine-id" in faults:
             argv += ["--reply-engine-id", "prefill-node1"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
-import ipaddress
 import math
 import os
 import secrets
@@ -37,7 +36,7 @@ from pdfsm.commands import StartHandshake
 from pdfsm.errors import PdfsmError
 from pdfsm.events import HandshakeDone, HandshakeFailed, HandshakeReply, Source
 from pdfsm.topology import MAX_KV_HEADS, MAX_RANKS
-from pdfsm.wire import MAX_BLOCK_SIZE, MAX_HASH_CHARS, MAX_ID_CHARS, Codec, WireError
+from pdfsm.wire import MAX_BLOCK_SIZE, MAX_HASH_CHARS, MAX_ID_CHARS, Codec, WireError, every_interface
 from transports.base import Clock, Submit
 
 __all__ = [
@@ -384,7 +383,7 @@ class SideChannelServer:
         self._handlers: set[threading.Thread] = set()
         self._closed = False
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        if ipaddress.ip_address(str(addr[0]).split("%")[0]).is_unspecified:
+        if every_interface(str(addr[0])):  # as resolved: "0", "0x0" and "::ffff:0.0.0.0" too
             raise ValueError(f"host {host!r} would bind every interface: name the one to serve on "
                              "(the default is loopback, 127.0.0.1)")
         self._sock = socket.socket(family, socket.SOCK_STREAM)

@@ -36,6 +36,7 @@ __all__ = [
     "ReadSource",
     "TopologyError",
     "expected_notifications",
+    "heads_agree",
     "heads_held",
     "heads_problem",
     "read_plan",
@@ -137,6 +138,13 @@ def heads_held(tp_size: int, tp_rank: int, kv_heads: int) -> range:
         raise TopologyError(f"the model's {kv_heads} KV heads do not divide TP {tp_size}")
     head = tp_rank * kv_heads // tp_size
     return range(head, head + 1)
+
+
+def heads_agree(a: int, b: int, tp_a: int, tp_b: int) -> bool:
+    """Two engines' ``kv_heads`` (of TPs ``tp_a``, ``tp_b``) plan alike: equal, or one unsaid (0,
+    planned as heads enough for the larger TP, :func:`read_plan`) and the other at least that, as
+    when one engine is upgraded before its peers. Two different counts never agree."""
+    return a == b or (not min(a, b) and max(a, b) >= max(tp_a, tp_b))
 
 
 def heads_problem(tp_size: int, kv_heads: int) -> str | None:

@@ -12,6 +12,9 @@ from the consumer's local id (vLLM PR 36958), and say which part they are
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+from functools import lru_cache
 from typing import Annotated, Final, Generic, TypeVar
 
 import msgspec
@@ -30,9 +33,27 @@ __all__ = [
     "NotifyMessage",
     "Notification",
     "WireError",
+    "every_interface",
     "notification_event",
     "notify_codec",
 ]
+
+@lru_cache(maxsize=256)
+def every_interface(host: str) -> bool:
+    """``host`` is an address naming every interface: bound, a listener on all of them; dialled,
+    no listener in particular (this host's own). Also in the old IPv4 spellings resolvers still take
+    ("0", "0x0") and IPv4-mapped; a host name is not (it is never resolved here). Cached: a load
+    checks its params' host."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", maxsplit=1)[0])
+    except ValueError:
+        try:
+            addr = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:  # a host name
+            return False
+    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
+    return addr.is_unspecified or (mapped is not None and mapped.is_unspecified)
+
 
 MAX_ID_CHARS: Final = 256
 MAX_HASH_CHARS: Final = 1024  # a handshake reply's compat_hash

@@ -190,7 +190,7 @@ def test_empty_host_is_refused_rather_than_binding_every_interface() -> None:
         SideChannelServer(reply_for, host="")
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "0", "::0"])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "0", "::0", "0x0", "::ffff:0.0.0.0"])
 def test_a_wildcard_host_is_refused_rather_than_binding_every_interface(host: str) -> None:
     with pytest.raises(ValueError, match="every interface"):
         SideChannelServer(reply_for, host=host)
