@@ -528,14 +528,15 @@ def _wait_for_engines(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None
     _watch_unconnected(m, ev, core, ev.t_ns)
 
 
-def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns: int) -> None:
-    """Wait for every engine of the plan not connected now; hold the connected ones, so none is
-    evicted while a sibling still handshakes (vLLM PR 54689)."""
+def _watch_unconnected(m: ConsumerRequest, req: ReadRequested, core: Core, t_ns: int, evicting: int = 0) -> None:
+    """Wait for every engine of the plan not connected now (or in the mask ``evicting``: asked to
+    be evicted just before, and handshaken again); hold the connected ones, so none is evicted
+    while a sibling still handshakes (vLLM PR 54689)."""
     assert m.plan is not None
     for pp in m.plan.pp_ranks:
         key = (req.engine_id, pp)
         e = core.engines.get(key)
-        if e is not None and e.usable:
+        if e is not None and e.usable and not (evicting >> pp) & 1:
             _hold(m, e)
         elif not (m.waiting >> pp) & 1:  # the engine table decides: handshake, or fail fast
             m.waiting |= 1 << pp
@@ -712,6 +713,35 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
     for pp in sorted(evict):
         core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
     return found[0][1] if found else ""
+
+
+def _stale_reply(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
+    """The params contradict connected engines whose replies may be the stale side (none has a rank
+    that started after the params were issued) and that no request holds, so they can be evicted
+    now: a producer restarted under the same engine id while idle here (a new process, address or
+    layout). Its fresh params are judged by a fresh handshake, not refused against the old reply,
+    which cost a recompute and left the new process's hold to its lease (found by two helpers'
+    hunts, after SGLang PR 36029 and NIXL issue 795)."""
+    skew, found = core.hold_skew_ns, False
+    for pp, _ in contradictions(ev, core):
+        e = core.engines[(ev.engine_id, pp)]
+        if e.readers or _predates(ev.issued_wall_ns, e, skew):
+            return False
+        found = True
+    return found
+
+
+def _handshake_again(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
+    """Evict the contradicted engines (their old replies) and wait for fresh handshakes; once they
+    are ready, params they still contradict are refused, or dropped, with no eviction (the replies
+    are then the newer side)."""
+    stale = 0
+    for pp, _ in contradictions(ev, core):
+        stale |= 1 << pp
+    _evict_contradicted(ev, core, ev.t_ns)  # derived first: applied before the watches below
+    _accept(m, ev, core)
+    _arm_deadline(m, ev, core)
+    _watch_unconnected(m, ev, core, ev.t_ns, stale)
 
 
 def _drop_contradicted(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
@@ -1037,6 +1067,9 @@ TABLE: Final[Table] = Table(
                reason="the engines' layouts cannot exchange KV blocks"),
             Go(S.FAILED, _refuse_lease_over, when=_lease_over),
             Go(S.RELEASED, _drop_lease_over, when=_lease_over_notify_only),
+            Go(S.HANDSHAKING, _handshake_again, when=_stale_reply,
+               reason="the params contradict the cached handshake reply of an engine no request holds: "
+                      "handshaken again, the params judged by the fresh reply"),
             Go(S.RELEASED, _drop_contradicted, when=_disagrees_notify_only, fault=remote,
                reason="the params contradict the producer's handshake reply; producer left to its lease",
                explain=_why),

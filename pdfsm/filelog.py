@@ -337,13 +337,15 @@ def _array_len(payload: bytes) -> int | None:
 
 
 def _same_writer(first: SegmentHeader, header: SegmentHeader, path: Path) -> None:
-    """Every segment of one log names the same worker (when its writer said one): a segment of
-    another worker's log, copied in under a name that fits the sequence, is refused. (Each
-    segment's CRC chain starts at its own header, so nothing else would tell.)"""
-    was, now = first.meta.get("worker"), header.meta.get("worker")
-    if was is not None and now is not None and was != now:
-        raise CorruptLogError(f"segment of worker {now!r} in the log of worker {was!r}: logs of two "
-                              "workers mixed", path=path, offset=0)
+    """Every segment of one log names the same worker (when its writer said one) and the same log
+    id (FileSink's, random per log): a segment of another log, copied in under a name that fits
+    the sequence, is refused. (Each segment's CRC chain starts at its own header, so nothing else
+    would tell.)"""
+    for key, what in (("worker", "workers"), ("log_id", "logs")):
+        was, now = first.meta.get(key), header.meta.get(key)
+        if was is not None and now is not None and was != now:
+            raise CorruptLogError(f"segment of {key} {now!r} in the log of {key} {was!r}: two {what} "
+                                  "mixed", path=path, offset=0)
 
 
 class SegmentHeader(NamedTuple):

@@ -65,6 +65,7 @@ from pdfsm.filelog import (
     encode_header,
     fsync_path,
     lock_writer,
+    read_header,
     recover,
     segment_name,
     segment_paths,
@@ -202,6 +203,10 @@ class FileSink:
             # anything of it is counted acked (acked_seq below), or power loss could tear it under
             # records this writer acks.
             segments = segment_paths(self.directory)
+            # One random id per log, carried by every segment of it (a reopened log keeps its
+            # own), so a reader refuses a segment of another log copied in, even of the same worker.
+            known = read_header(segments[0]).meta.get("log_id") if segments else None
+            self.metadata["log_id"] = known if isinstance(known, str) else secrets.token_hex(8)
             for path in segments:
                 fsync_path(path)
             fsync_path(self.directory)

@@ -315,12 +315,13 @@ def time_unit(span_ns: int) -> tuple[str, int, int]:
 
 def offsets(span_ns: int, *, pad: bool = True) -> Callable[[int], str]:
     """A formatter of offsets from 0 to ``span_ns`` (``+   3.002 ms``), all in one unit
-    (:func:`time_unit`) and, with ``pad``, one width, so a column of them lines up."""
+    (:func:`time_unit`) and, with ``pad``, one width (that of the widest, at least 8), so a column
+    of them lines up, past ``+9999.999 ms`` too."""
     unit, per, places = time_unit(span_ns)
+    width = max(8, len(f"{abs(span_ns) / per:.{places}f}")) if pad else 0
 
     def offset(t: int) -> str:
-        value = f"{t / per:.{places}f}"
-        return f"+{value:>8s} {unit}" if pad else f"+{value} {unit}"
+        return f"+{t / per:>{width}.{places}f} {unit}"
 
     return offset
 

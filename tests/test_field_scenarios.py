@@ -661,9 +661,11 @@ def test_scenario_abort_racing_handshake_completion() -> None:
 def test_vllm_pr_55471_producer_restarted_under_the_same_engine_id_is_handshaken_again() -> None:
     """https://github.com/vllm-project/vllm/pull/55471 -- a prefill peer whose transfer metadata was
     invalidated while it kept the same engine id stayed cached, so later requests kept using the
-    stale path. pdfsm: the new process's params name an incarnation the cached reply does not, so
-    the request fails before any read to the dead agent (recompute), the stale engine is evicted,
-    and the next request handshakes again and reads from the new agent."""
+    stale path. pdfsm: the new process's params name an incarnation the cached reply does not, and
+    nothing holds the cached engine, so it is evicted and handshaken again before the params are
+    judged: the request reads the new process's blocks (before, it was refused, a recompute, and
+    the new process's hold waited out its lease), the new producer is told at once, and nothing is
+    read from the dead agent."""
     pair = Pair()
     warm = pair.p.request_finished("warm", [1])
     pair.d.load("d-warm", [1], warm)
@@ -674,22 +676,24 @@ def test_vllm_pr_55471_producer_restarted_under_the_same_engine_id_is_handshaken
     p2 = Connector(CoreConfig(engine_id="P", compat_hash="h"), fresh, SimHandshaker(pair.net), clock=pair.clock,
                    port=9)
     pair.net.serve("127.0.0.1", 9, lambda pp: reply("P", ranks=(fresh.rank_info(),)))
-    params = p2.request_finished("p1", [2, 3])
-    pair.d.load("d1", [5, 6], params)
-    failed: list[HandOff] = []
-    for _ in range(3):
-        pair.d.get_finished()
-        failed += pair.d.last.failed
-    assert [(f.request_id, f.policy) for f in failed] == [("d1", "recompute")] and "restarted" in failed[0].reason
-    assert ("P", 0) not in pair.d.core.engines  # evicted: nothing held it
-    pair.d.load("d2", [7, 8], p2.request_finished("p2", [2, 3]))  # params are single-use: new ones
+    pair.d.load("d1", [5, 6], p2.request_finished("p1", [2, 3]))
     got: list[str] = []
+    released: list[str] = []
+    for _ in range(4):
+        got += pair.d.get_finished()[1]
+        assert not pair.d.last.failed
+        released += p2.get_finished()[0]
+    assert got == ["d1"] and released == ["p1"]
+    assert [pair.cons.block(b) for b in (5, 6)] == [pattern("P-0-restarted", b, 64) for b in (2, 3)]
+    starts = [r for r in pair.d.core.log.records() if r.machine == "engine" and r.state == "HANDSHAKING"]
+    assert len(starts) == 2  # the first connection, and the one the new params asked for
+    assert not any(pair.d.core.violations.values())
+    pair.d.load("d2", [7, 8], p2.request_finished("p2", [2, 3]))  # params are single-use: new ones
+    got = []
     for _ in range(4):
         got += pair.d.get_finished()[1]
         p2.get_finished()
     assert got == ["d2"] and not pair.d.last.failed
-    starts = [r for r in pair.d.core.log.records() if r.machine == "engine" and r.state == "HANDSHAKING"]
-    assert len(starts) == 2
     assert pair.cons.block(7) == pattern("P-0-restarted", 2, 64)
 
 

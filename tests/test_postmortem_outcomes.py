@@ -142,6 +142,9 @@ def test_short_logs_print_times_in_a_unit_that_shows_them() -> None:
     assert [offsets(120)(t) for t in (0, 3, 120)] == ["+       0 ns", "+       3 ns", "+     120 ns"]
     assert offsets(3_000_369_079)(3_000_369_079) == "+3000.369 ms"  # long logs as before
     assert offsets(5_000, pad=False)(1_500) == "+1.500 us"
+    # A log of hours: every offset as wide as the last, so a timeline's column still lines up.
+    long = offsets(12_345_678_000_000)
+    assert [long(t) for t in (0, 12_345_678_000_000)] == ["+       0.000 ms", "+12345678.000 ms"]
     assert [duration(n) for n in (110_500_000, 17_002, 120)] == ["110.5 ms", "17.0 us", "120 ns"]
     sink = MemorySink()
     p = make_core(strict=False, sink=sink, engine_id="P")

@@ -17,6 +17,7 @@ from pdfsm.connector import Connector, KVTransferParams
 from pdfsm.errors import InvalidInput
 from pdfsm.events import (
     CoreConfig,
+    HandleDone,
     HandleFailed,
     HandleFailure,
     HandshakeDone,
@@ -29,6 +30,7 @@ from pdfsm.events import (
     RankInfo,
 )
 from pdfsm.filesink import FileSink
+from pdfsm.fsm import Fault
 from pdfsm.log import EventLog
 from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
@@ -313,6 +315,64 @@ def test_fresh_params_refused_while_a_read_holds_the_stale_engine_then_rehandsha
     assert any(isinstance(c, PostRead) and c.request_id == "r3" for c in core.take_commands())
 
 
+def _connect_incarnation(core: Any, incarnation: str, attempt: int, t: int) -> None:
+    ranks = (RankInfo(pp_rank=0, tp_rank=0, agent=f"P-{incarnation}", incarnation=incarnation),)
+    core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=0, attempt=attempt, reply=reply("P", ranks=ranks)))
+    core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=0, attempt=attempt))
+
+
+@pytest.mark.parametrize("notify_only", [False, True])
+def test_fresh_params_against_an_idle_stale_reply_handshake_again_and_read(notify_only: bool) -> None:
+    """A producer restarted (incarnation A -> B) while no read used the cached connection: fresh
+    params meet A's reply. Before, the request failed (a recompute) and B's hold waited out its
+    lease, unnotified. Now the engine is evicted and handshaken again, and B's reply judges the
+    params: the request reads from B (or, notify-only, tells B at once), with no violation."""
+    core = make_core()
+    core.apply(read("r1", incarnation="A"))
+    _connect_incarnation(core, "A", 1, 0)
+    core.apply(ev(HandleDone, 5, request_id="r1", pp_rank=0, tp_rank=0))
+    collect(core, 6)
+    core.apply(read("r2", incarnation="B", t=10, blocks=() if notify_only else (3, 4)))
+    assert core.consumers["r2"].state.name == "HANDSHAKING"
+    cmds = core.take_commands()
+    (start,) = [c for c in cmds if isinstance(c, StartHandshake)]
+    assert notes(cmds) == [] and not any(isinstance(c, PostRead) for c in cmds)  # nothing to A
+    _connect_incarnation(core, "B", start.attempt, 20)
+    cmds = core.take_commands()
+    if notify_only:
+        assert notes(cmds) == [(0, 0, "p-r2")]
+    else:
+        assert [c.request_id for c in cmds if isinstance(c, PostRead)] == ["r2"]
+        core.apply(ev(HandleDone, 30, request_id="r2", pp_rank=0, tp_rank=0))
+        cmds = core.take_commands() + collect(core, 40)
+        assert [(c.request_id, c.outcome) for c in cmds if isinstance(c, HandOff)] == [("r2", "received")]
+    assert not any(core.violations.values())
+
+
+def test_stale_params_against_a_live_reply_cost_one_handshake_and_keep_the_fresh_engine() -> None:
+    """The other side: the cached reply is the live process's (B) and the params, unstamped, are the
+    dead one's (A), so time cannot tell which side is stale. They cost one handshake; B's fresh
+    reply still contradicts them, so they fail (remote fault, recompute, nobody told) and the fresh
+    engine is kept: the next fresh request reads with no further handshake."""
+    core = make_core()
+    core.apply(read("r1", incarnation="B"))
+    _connect_incarnation(core, "B", 1, 0)
+    core.apply(ev(HandleDone, 5, request_id="r1", pp_rank=0, tp_rank=0))
+    collect(core, 6)
+    core.apply(read("stale", incarnation="A", t=10))
+    (start,) = [c for c in core.take_commands() if isinstance(c, StartHandshake)]
+    _connect_incarnation(core, "B", start.attempt, 20)
+    cmds = core.take_commands() + collect(core, 30)
+    (off,) = [c for c in cmds if isinstance(c, HandOff)]
+    assert (off.request_id, off.outcome, off.policy) == ("stale", "failed", "recompute") and "incarnation" in off.reason
+    assert notes(cmds) == [] and not any(isinstance(c, PostRead) for c in cmds)
+    assert core.engines[("P", 0)].state.name == "CONNECTED" and core.violations[Fault.REMOTE] == 1
+    core.apply(read("r3", incarnation="B", t=40))
+    cmds = core.take_commands()
+    assert [c.request_id for c in cmds if isinstance(c, PostRead)] == ["r3"]
+    assert not any(isinstance(c, StartHandshake) for c in cmds)
+
+
 def test_storm_of_stale_params_never_fails_a_fresh_request_nor_reads_one(tmp_path: Path) -> None:
     """Pin: after a same-id restart, stale params interleaved with fresh ones: every stale load
     fails, every fresh one is received with the new process's bytes; the decode log replays."""
@@ -362,9 +422,11 @@ def test_storm_of_stale_params_never_fails_a_fresh_request_nor_reads_one(tmp_pat
     for i in range(6):
         assert cons.block(20 + i) == bytes(64)
     got = [r for r in recv if r.startswith("d-fresh")]
-    # fresh loads that met the stale cached reply fail (recompute); those after re-handshake read
+    # A fresh load that meets the stale cached reply while nothing holds it handshakes again and
+    # reads; one behind a read that still holds the old connection fails (a recompute).
     assert set(got) | {r for r in failed if r.startswith("d-fresh")} == set(fresh)
-    assert got, "no fresh request was ever received after the restart"
+    # Here d-fresh0 meets the engine held by d-stale0's read of the dead agent: it fails; the rest read.
+    assert sorted(got) == fresh[1:], "a fresh request after the stale read let go was not read"
     for r in got:
         i = int(r[-1])
         assert cons.block(40 + i) == pattern("P-0-restarted", 10 + i, 64)

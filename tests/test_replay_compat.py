@@ -276,6 +276,31 @@ def test_a_segment_of_another_workers_log_mixed_into_a_log_is_refused(tmp_path: 
     assert a[1].name in out + err and "workers mixed" in out + err
 
 
+def test_a_segment_of_another_run_of_the_same_worker_is_refused(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Scenario: the same worker ('prefill-tp0') ran twice, each run logging into its own directory;
+    while gathering, the second run's first segment overwrites the first run's. Both headers name
+    the same worker, so the worker check alone let it through and replay reported a divergence
+    (an engine fault) where the log was mixed by hand.
+    Expected: refused as corrupt with both log ids named; a log reopened by a new writer keeps its
+    own id, so a log continued after a crash still reads whole."""
+    a = _rotated_prefill(tmp_path / "run1", "prefill-tp0", 0, 1000)
+    b = _rotated_prefill(tmp_path / "run2", "prefill-tp0", 0, 2000)
+    ids = {read_header(p).meta["log_id"] for p in a}
+    assert len(ids) == 1 and ids != {read_header(b[0]).meta["log_id"]}
+    mixed = tmp_path / "gathered" / "prefill-tp0"
+    mixed.mkdir(parents=True)
+    for p in a:
+        shutil.copy(p, mixed / p.name)
+    shutil.copy(b[0], mixed / b[0].name)
+    code, out, err = run_cli_captured(capsys, "replay", str(mixed), "--timelines", "0")
+    assert code == 4 and "logs mixed" in out + err and a[1].name in out + err, out + err
+    # A new writer on run1 (as after a crash) continues it under the same id.
+    sink = FileSink(tmp_path / "run1", fsync=FsyncPolicy.never(), metadata={"worker": "prefill-tp0"})
+    assert sink.metadata["log_id"] in ids
+    sink.close()
+
+
 def test_an_event_type_from_a_newer_pdfsm_is_unsupported_not_corrupt(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Scenario: a newer pdfsm added an event class (docs/log-format.md: no schema bump needed for
