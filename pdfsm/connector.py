@@ -686,7 +686,9 @@ class Connector:
         reader = self._loader(minting)
         if reader is not None and not self._reading(reader, minting):
             return 0
-        if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:  # as a load would be refused
+        # Params a connection contradicts: a load would be refused, or first handshake again (a
+        # producer restarted while idle here); the connection reaches a process they may not name.
+        if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:
             return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns, p.issued_wall_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)

@@ -717,31 +717,43 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
 
 def _stale_reply(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
     """The params contradict connected engines whose replies may be the stale side (none has a rank
-    that started after the params were issued) and that no request holds, so they can be evicted
-    now: a producer restarted under the same engine id while idle here (a new process, address or
-    layout). Its fresh params are judged by a fresh handshake, not refused against the old reply,
+    that started after the params were issued), and every connected stage of the plan can be
+    evicted now (no request holds it) and no stage is in a failed handshake's retry pause: a
+    producer restarted under the same engine id while idle here (a new process, address or
+    layout). Its fresh params are judged by fresh handshakes, not refused against the old reply,
     which cost a recompute and left the new process's hold to its lease (found by two helpers'
     hunts, after SGLang PR 36029 and NIXL issue 795)."""
-    skew, found = core.hold_skew_ns, False
-    for pp, _ in contradictions(ev, core):
-        e = core.engines[(ev.engine_id, pp)]
-        if e.readers or _predates(ev.issued_wall_ns, e, skew):
+    if next(contradictions(ev, core), None) is None:
+        return False
+    skew, t_ns = core.hold_skew_ns, ev.t_ns
+    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
+        e = core.engines.get((ev.engine_id, pp))
+        if e is None:
+            continue
+        if e.state is CONNECTED and (e.readers or _predates(ev.issued_wall_ns, e, skew)):
             return False
-        found = True
-    return found
+        if e.state is ENGINE_FAILED and e.pausing(t_ns, ev.host, ev.port):
+            return False  # the request fails at once: a handshake started now would be for nobody
+    return True
 
 
 def _handshake_again(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    """Evict the contradicted engines (their old replies) and wait for fresh handshakes; once they
+    """Evict every connected stage of the plan (their old replies: a sibling kept would judge a stop
+    meanwhile alone, without the minting stage's verdict) and wait for fresh handshakes; once they
     are ready, params they still contradict are refused, or dropped, with no eviction (the replies
     are then the newer side)."""
-    stale = 0
-    for pp, _ in contradictions(ev, core):
-        stale |= 1 << pp
-    _evict_contradicted(ev, core, ev.t_ns)  # derived first: applied before the watches below
+    contradicted = {pp for pp, _ in contradictions(ev, core)}
+    _evict_contradicted(ev, core, ev.t_ns)  # and a stale layout's stages past the params' PP size
+    evicting = 0
+    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
+        e = core.engines.get((ev.engine_id, pp))
+        if e is not None and e.state is CONNECTED:
+            evicting |= 1 << pp
+            if pp not in contradicted:
+                core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=ev.engine_id, pp_rank=pp))
     _accept(m, ev, core)
     _arm_deadline(m, ev, core)
-    _watch_unconnected(m, ev, core, ev.t_ns, stale)
+    _watch_unconnected(m, ev, core, ev.t_ns, evicting)  # derived after the evictions: fresh machines
 
 
 def _drop_contradicted(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

@@ -217,6 +217,17 @@ def test_a_producer_rank_restarted_alone_is_never_read_as_the_hold_it_replaced()
     assert "the bytes are not the request's" in found.message and "restarts" in found.message
 
 
+def test_a_producer_restarted_while_idle_is_handshaken_again_under_every_interleaving() -> None:
+    """With rank-restart the world's ranks say their process (incarnation) and the params the
+    minting rank's: fresh params that meet a reply from before the restart, the loss not yet
+    reported, make the consumer handshake again instead of refusing them (docs/decisions.md, "A
+    contradiction with a connected engine's reply evicts it"). The search reaches that option and
+    every invariant holds: nothing read from the wrong process, every request ends once."""
+    scenario = Scenario(requests=3, producer_tp=2, consumer_tp=2, faults=FAULTS | {"rank-restart"})
+    hits = explore_options({"restart tp2": scenario}, 150)
+    assert ("consumer", "NEW", "ReadRequested", "-> HANDSHAKING (handshake again) when stale reply") in hits
+
+
 # --- clean searches: shapes the default scenarios do not cover ------------------------------------
 
 # Each ran clean at 1500 examples with random seeds too, and reaches no table cell the default

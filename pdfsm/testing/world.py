@@ -312,6 +312,7 @@ class World:
         self.walls = "rank-restart" in s.faults  # params and ranks say their wall-clock times
         self.started = dict.fromkeys(self.producers, 0)  # each producer rank's start, on the world's clock
         self.finished_at: dict[int, int] = {}  # when each request's prefill ended (its params' issue)
+        self.minted_by: dict[int, str] = {}  # with walls: the incarnation of the rank that minted its params
         self.restarts = 0
         self.sources: dict[str, deque[tuple[str, Any]]] = {}
         # ground truth
@@ -594,6 +595,8 @@ class World:
             self.lease_from[(agent, self.prid(i))] = self.now  # the lease runs from the end of prefill
             self._push(f"prefill-worker {agent}", ("register", (f"P{pp}.{tp}", agent, i, ev)))
         self.lease_seen[i] = self.finished_at[i] = self.now
+        if self.walls:  # the router gets the params of stage 0's rank 0
+            self.minted_by[i] = self._incarnation(0, 0)
         for rank in range(s.consumer_tp):
             self._push(f"decode-scheduler D{rank}", ("read-request", (rank, i)))
 
@@ -605,10 +608,15 @@ class World:
                       host="prefill", port=1, remote_tp=s.producer_tp, remote_pp=s.producer_pp,
                       local_blocks=self.blocks[i], remote_blocks=self._p_blocks(i) if self.blocks[i] else (),
                       lease_ns=s.lease_ns * UNIT_NS, lease_start_ns=self.lease_seen[i] * UNIT_NS,
-                      issued_wall_ns=self._issued(i))
+                      issued_wall_ns=self._issued(i), incarnation=self.minted_by.get(i, ""),
+                      incarnation_pp=0 if i in self.minted_by else None)
         self.requested.add((rank, ev.request_id))
         self.tell_by[(rank, ev.request_id)] = (self.lease_seen[i] + s.lease_ns - s.lease_margin_ns) * UNIT_NS
         self._deliver_source(source, f"D{rank}", ev)
+
+    def _incarnation(self, pp: int, tp: int) -> str:
+        """A producer rank's process, as its transport names it: another after each restart."""
+        return f"P{pp}.{tp}@{self.started[(pp, tp)]}"
 
     def _issued(self, i: int) -> int:
         """The params' issued_wall_ns (0: wall clocks not modelled)."""
@@ -785,7 +793,8 @@ class World:
             engine = "Q" if how == "wrong" else "P"
             said = self.walls and "no-start-times" not in self.variant.quirks
             ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t),
-                                   started_wall_ns=(WALL0 + self.started[(cmd.pp_rank, t)]) * UNIT_NS if said else 0)
+                                   started_wall_ns=(WALL0 + self.started[(cmd.pp_rank, t)]) * UNIT_NS if said else 0,
+                                   incarnation=self._incarnation(cmd.pp_rank, t) if self.walls else "")
                           for t in range(self.s.producer_tp))
             reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
                                    pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks,
