@@ -135,7 +135,7 @@ def test_pp2_engines_handshaken_at_one_address_serve_requests_at_it() -> None:
 
 def test_pp2_ranks_left_at_two_addresses_fail_both_requests_then_heal_without_leaking_holds() -> None:
     """A request at port 10 re-handshakes a lost PP rank that a port-9 request then joins: both fail
-    at ready, nothing stays held, and the next request at port 9 handshakes that rank again there
+    at ready, nothing stays held, and the next request at port 9 handshakes both ranks again there
     and reads (before the re-handshake of idle contradicted engines, it was refused too)."""
     core = make_core(strict=False, supports_pp=True)
     core.apply(read("w", host="h", port=9, remote_pp=2))
@@ -158,8 +158,9 @@ def test_pp2_ranks_left_at_two_addresses_fail_both_requests_then_heal_without_le
     assert core.consumers["c"].state.name == "HANDSHAKING"
     core.apply(read("d", host="h", port=9, remote_pp=2, blocks=(7, 8), remote_blocks=(7, 8)))
     starts = [(c.pp_rank, c.port) for c in core.take_commands() if isinstance(c, StartHandshake)]
-    assert starts == [(0, 9)]
-    _pp_handshake(core, 0, core.engines[("P", 0)].attempt)
+    assert starts == [(0, 9), (1, 9)]  # every connected stage of the plan, not the contradicted one only
+    for pp in (0, 1):
+        _pp_handshake(core, pp, core.engines[("P", pp)].attempt)
     assert core.consumers["c"].state.name == core.consumers["d"].state.name == "READING"
 
 
