@@ -44,7 +44,7 @@ from pdfsm.commands import (
     StartHandshake,
 )
 from pdfsm.consumer import S as ConsumerStates
-from pdfsm.consumer import cancel_pending, disagreement
+from pdfsm.consumer import awaits_minting_stage, cancel_pending, disagreement
 from pdfsm.core import Core
 from pdfsm.errors import ConnectorClosed, InvalidInput, OwnerError
 from pdfsm.events import (
@@ -688,14 +688,17 @@ class Connector:
             return 0
         # Params a connection contradicts: a load would be refused, or first handshake again (a
         # producer restarted while idle here); the connection reaches a process they may not name.
-        if disagreement(_requested(p, "heartbeat", 0), self.core) is not None:
+        req = _requested(p, "heartbeat", 0)
+        if disagreement(req, self.core) is not None:
             return 0
         msg = HeartbeatMessage(p.remote_request_id, extend_ns, p.issued_wall_ns)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
         told = tried = 0
         sent_at = self._clock()
         for pp, tp in ranks:
-            if self.core.engine_connected((p.remote_engine_id, pp), p.remote_host, p.remote_port):
+            # A stage told only once the one that minted the params has vouched for them, as notices are.
+            if (self.core.engine_connected((p.remote_engine_id, pp), p.remote_host, p.remote_port)
+                    and awaits_minting_stage(req, pp, self.core) is None):
                 tried += 1
                 try:
                     self.transport.send((p.remote_engine_id, pp), tp, msg)

@@ -574,12 +574,17 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
     unread = [(src.pp_rank, src.tp_rank) for i, src in enumerate(plan.sources) if not (m.done >> i) & 1]
     for pp, tp in unread + list(plan.notify_only):
         cmd = SendNotification(engine_id=eid, pp_rank=pp, tp_rank=tp, notification=note)
-        if core.engine_connected((eid, pp)):
+        minting = awaits_minting_stage(req, pp, core)
+        if minting is None and core.engine_connected((eid, pp)):
             core.emit(cmd)
             continue
-        e = core.engines.get((eid, pp))
+        # Owed to the stage's own handshake, or to the minting stage's while its verdict is pending
+        # (send_owed judges it then).
+        e = core.engines.get((eid, pp if minting is None else minting))
         handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
         trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core, m.promised)
+        if minting is not None and not handshaking:
+            continue  # no verdict to come: the hold ends at its lease
         if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269); so would
@@ -591,6 +596,17 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
         # A stage handshaking that cannot be owed this notice (no lease to bound it, params a stage
         # alone cannot check, or its list full) is told nothing: a process connecting there may be
         # one that never held it (found by a helper's hunt); the hold ends at its lease.
+
+
+def awaits_minting_stage(req: ReadRequested, pp: int, core: Core) -> int | None:
+    """The stage that minted PP params (they say it), when it is another than ``pp`` and not
+    connected: only its reply can confirm the params' process, so ``pp``'s ranks are not told
+    before it has (a stage that connected first would otherwise hear of params the minting stage
+    refuses: a hold it never had; found by a helper's review). None: nothing to wait for."""
+    stage = req.incarnation_pp
+    if stage is None or stage == pp or not req.incarnation or req.remote_pp == 1:
+        return None
+    return None if core.engine_connected((req.engine_id, stage)) else stage
 
 
 def _may_owe(req: ReadRequested) -> bool:
@@ -621,6 +637,13 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int, replaced: set[int]) -> Non
     owed, e.notices = e.notices, []
     now, skew = max(t_ns, core.latest_t_ns), core.hold_skew_ns
     for req, trust, cmd in owed:
+        minting = awaits_minting_stage(req, cmd.pp_rank, core)
+        if minting is not None and minting != e.pp_rank:  # connected first: owed on to the minting stage
+            m = core.engines.get((req.engine_id, minting))
+            if (m is not None and (m.state is HANDSHAKING or m.state is CONNECTING)
+                    and len(m.notices) < core.config.max_staged):
+                m.notices.append((req, trust, cmd))
+            continue
         # The stage itself, and every other stage already connected (one may be the minting stage
         # and show the params are of a process since replaced), as for a notice sent now.
         if (now < trust and _contradiction(e, req, e.pp_rank, skew) is None

@@ -516,6 +516,28 @@ def test_a_heartbeat_that_missed_a_pp_stage_promises_nothing() -> None:
     assert not late, [(r.state, r.reason) for r in late]
 
 
+def test_a_heartbeat_tells_a_sibling_stage_only_once_the_minting_stage_is_connected() -> None:
+    """PP 2, params minted by stage 0 (they say so); only stage 1 is connected (stage 0's handshake
+    was refused). Stage 1 cannot tell whether the params are of its process, so it is not
+    heartbeated, as it would not be notified: nothing is told, nothing promised. Before (found by a
+    helper's review), stage 1's rank got a heartbeat for params only stage 0 could vouch for."""
+    w = World(handshake_retry_ns=20 * US)
+    ts = [SimTransport(w.net, f"P-pp{pp}", pp_rank=pp, num_blocks=64) for pp in range(2)]
+    ps = [Connector(CoreConfig(engine_id="P", compat_hash="h", pp_rank=pp, pp_size=2), ts[pp],
+                    SimHandshaker(w.net), clock=w.clock, port=9) for pp in range(2)]
+    w.net.serve("127.0.0.1", 9, lambda pp: reply("P", pp_rank=pp, pp_size=2, ranks=(ts[pp].rank_info(),),
+                                                 num_blocks=64, compat_hash="h" if pp == 1 else "another build"))
+    w.load("warm", [1], ps[0].request_finished("pw", [1]))  # stage 1 connects, stage 0 is refused
+    w.run(4)
+    assert w.d.core.engine_connected(("P", 1)) and not w.d.core.engine_connected(("P", 0))
+    params = ps[0].request_finished("p1", [2])
+    assert params.remote_incarnation and params.remote_incarnation_pp == 0
+    assert w.d.heartbeat(params, extend_ns=10**9) == 0
+    w.run(2)
+    ps[1].get_finished()
+    assert not [r for r in ps[1].core.log.records() if getattr(r.event, "request_id", "") == "p1"]
+
+
 def _notes(cmds: list[Any]) -> list[tuple[int, str]]:
     return [(c.pp_rank, c.notification.request_id) for c in cmds if isinstance(c, SendNotification)]
 

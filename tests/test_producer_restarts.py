@@ -409,6 +409,28 @@ def test_pp_params_handshaken_again_notify_no_stage_when_stopped_meanwhile(how: 
     assert notes(core.take_commands()) == []
 
 
+@pytest.mark.parametrize("stale", [True, False])
+@pytest.mark.parametrize("how", ["abort", "deadline"])
+def test_a_sibling_stage_connected_first_is_told_only_once_the_minting_stage_vouches(how: str, stale: bool) -> None:
+    """PP 2, params minted by stage 0 (incarnation_pp 0); both stages handshake, stage 1's reply
+    comes first, and the request stops before stage 0's. Stage 1 alone cannot tell whether the
+    params are of its process: its notice waits for stage 0's verdict. Stale params (old-0) tell
+    nobody, in either order of the replies; fresh ones (new-0) tell stage 1's ranks once stage 0
+    connects, and stage 0's own. Before (found by a helper's second review): stage 1 was told at
+    once, of a hold the live process never had."""
+    core = make_core(read_timeout_ns=1_000_000, handshake_timeout_ns=10**9)
+    core.apply(read("r", remote_pp=2, remote_tp=2, incarnation="old-0" if stale else "new-0", incarnation_pp=0,
+                    lease_ns=LEASE))
+    core.take_commands()
+    _connect_stage(core, 1, "new-1", t=5)
+    core.apply(ev(AbortRequested, 20, request_id="r") if how == "abort" else ev(Tick, 2_000_000))
+    cmds = core.take_commands() + collect(core, 3_000_000)
+    assert notes(cmds) == []
+    _connect_stage(core, 0, "new-0", t=3_000_010)
+    told = notes(core.take_commands())
+    assert sorted(told) == ([] if stale else [(0, 0, "p-r"), (0, 1, "p-r"), (1, 0, "p-r"), (1, 1, "p-r")])
+
+
 def test_params_against_an_idle_stale_reply_fail_at_once_while_a_sibling_stage_pauses() -> None:
     """PP 2: stage 1's handshake failed moments ago (its retry pause runs), stage 0 is connected
     and idle and the params contradict its reply. The request fails at once (stage 1 cannot be
