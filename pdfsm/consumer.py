@@ -602,11 +602,15 @@ def awaits_minting_stage(req: ReadRequested, pp: int, core: Core) -> int | None:
     """The stage that minted PP params (they say it), when it is another than ``pp`` and not
     connected: only its reply can confirm the params' process, so ``pp``'s ranks are not told
     before it has (a stage that connected first would otherwise hear of params the minting stage
-    refuses: a hold it never had; found by a helper's review). None: nothing to wait for."""
+    refuses: a hold it never had; found by a helper's review). None: nothing to wait for, or a
+    plan that does not read the minting stage (a PP consumer stage: it cannot tell, and does not
+    check)."""
     stage = req.incarnation_pp
     if stage is None or stage == pp or not req.incarnation or req.remote_pp == 1:
         return None
-    return None if core.engine_connected((req.engine_id, stage)) else stage
+    if core.engine_connected((req.engine_id, stage)) or stage not in core.plan(req.remote_tp, req.remote_pp).pp_ranks:
+        return None
+    return stage
 
 
 def _may_owe(req: ReadRequested) -> bool:
