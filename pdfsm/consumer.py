@@ -642,7 +642,9 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int, replaced: set[int]) -> Non
     now, skew = max(t_ns, core.latest_t_ns), core.hold_skew_ns
     for req, trust, cmd in owed:
         minting = awaits_minting_stage(req, cmd.pp_rank, core)
-        if minting is not None and minting != e.pp_rank:  # connected first: owed on to the minting stage
+        # A stage connecting before the minting stage passes its notices on to that stage's verdict;
+        # the minting stage connecting now (not CONNECTED yet) is the verdict, judged below.
+        if minting is not None and minting != e.pp_rank:
             m = core.engines.get((req.engine_id, minting))
             if (m is not None and (m.state is HANDSHAKING or m.state is CONNECTING)
                     and len(m.notices) < core.config.max_staged):
@@ -727,19 +729,24 @@ def _evict_contradicted(req: ReadRequested, core: Core, t_ns: int) -> str:
     """Ask to evict every connected engine the request contradicts, but one with a rank younger
     than the params (they are the stale side); returns the first reason."""
     found = list(contradictions(req, core))
-    evict = set()
-    for pp, _ in found:
-        e = core.engines[(req.engine_id, pp)]
-        if not _predates(req.issued_wall_ns, e, core.hold_skew_ns):
-            evict.add(pp)
-            # The stale layout's stages past the params' PP size go too: no plan of these params
-            # reads them, so nothing else would (a producer restarted with fewer PP stages: its old
-            # stage 1 still claimed layers the new stage 0 holds, and every read was refused).
-            if e.reply is not None:
-                evict.update(p for p in range(req.remote_pp, e.reply.pp_size) if (req.engine_id, p) in core.engines)
+    skew = core.hold_skew_ns
+    _evict(req, core, t_ns, [pp for pp, _ in found
+                             if not _predates(req.issued_wall_ns, core.engines[(req.engine_id, pp)], skew)])
+    return found[0][1] if found else ""
+
+
+def _evict(req: ReadRequested, core: Core, t_ns: int, stages: list[int]) -> None:
+    """Ask to evict these connected stages, and the stages of their layout past the params' PP
+    size: no plan of these params reads them, so nothing else would (a producer restarted with
+    fewer PP stages: its old stage 1 still claimed layers the new stage 0 holds, and every read
+    was refused)."""
+    evict = set(stages)
+    for pp in stages:
+        reply = core.engines[(req.engine_id, pp)].reply
+        if reply is not None:
+            evict.update(p for p in range(req.remote_pp, reply.pp_size) if (req.engine_id, p) in core.engines)
     for pp in sorted(evict):
         core.derive(EvictRequested(source=Source.CORE, t_ns=t_ns, engine_id=req.engine_id, pp_rank=pp))
-    return found[0][1] if found else ""
 
 
 def _stale_reply(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
@@ -765,22 +772,17 @@ def _stale_reply(m: ConsumerRequest, ev: ReadRequested, core: Core) -> bool:
 
 
 def _handshake_again(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:
-    """Evict every connected stage of the plan (their old replies: a sibling kept would judge a stop
-    meanwhile alone, without the minting stage's verdict) and wait for fresh handshakes; once they
-    are ready, params they still contradict are refused, or dropped, with no eviction (the replies
-    are then the newer side)."""
-    contradicted = {pp for pp, _ in contradictions(ev, core)}
-    _evict_contradicted(ev, core, ev.t_ns)  # and a stale layout's stages past the params' PP size
-    evicting = 0
-    for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks:
-        e = core.engines.get((ev.engine_id, pp))
-        if e is not None and e.state is CONNECTED:
-            evicting |= 1 << pp
-            if pp not in contradicted:
-                core.derive(EvictRequested(source=Source.CORE, t_ns=ev.t_ns, engine_id=ev.engine_id, pp_rank=pp))
+    """Evict every connected stage of the plan, not the contradicted ones only (a sibling kept
+    would judge a stop meanwhile alone, without the minting stage's verdict), and wait for fresh
+    handshakes; once they are ready, params they still contradict are refused, or dropped, with no
+    eviction (the replies are then the newer side)."""
+    stages = [pp for pp in core.plan(ev.remote_tp, ev.remote_pp).pp_ranks
+              if core.engine_connected((ev.engine_id, pp))]
+    _evict(ev, core, ev.t_ns, stages)
     _accept(m, ev, core)
     _arm_deadline(m, ev, core)
-    _watch_unconnected(m, ev, core, ev.t_ns, evicting)  # derived after the evictions: fresh machines
+    # Derived after the evictions, so the watches start fresh machines.
+    _watch_unconnected(m, ev, core, ev.t_ns, sum(1 << pp for pp in stages))
 
 
 def _drop_contradicted(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

@@ -536,6 +536,15 @@ def warn_unreadable(logs: Sequence[LoadedLog], tool: str = "pdfsm") -> int:
     return code
 
 
+def none_read(logs: Sequence[LoadedLog], output: str, tool: str) -> bool:
+    """No log could be read at all: says the output is not written (a page or trace saying "wrote
+    N logs" of nothing would pass for a result)."""
+    if all(log.status == "no_log" for log in logs):
+        print(f"{tool}: no log could be read: {printable(output)} not written", file=sys.stderr)
+        return True
+    return False
+
+
 DEMO_WRITER: Final = "pdfsm demo"  # in every segment header the demos write: a rerun may replace those logs
 
 
@@ -900,9 +909,11 @@ def _mixed_runs(logs: Sequence[LoadedLog], followed: Followed) -> list[str]:
             same.setdefault(worker, []).append(log)
     clashes = [f"{', '.join(log.name for log in group)} (engine {engine} pp_rank {pp} tp_rank {tp}; {_headers(group)})"
                for (engine, pp, tp), group in same.items() if len(group) > 1]
-    out = [printable("logs of one worker from different runs (or restarts, or copies) are merged into this "
-                     f"timeline: {'; '.join(clashes)}; name one run's logs to follow the request in it")]
-    return (out if clashes else []) + _other_holds(logs, followed)
+    out = []
+    if clashes:
+        out.append(printable("logs of one worker from different runs (or restarts, or copies) are merged into this "
+                             f"timeline: {'; '.join(clashes)}; name one run's logs to follow the request in it"))
+    return out + _other_holds(logs, followed)
 
 
 def _other_holds(logs: Sequence[LoadedLog], followed: Followed) -> list[str]:

@@ -30,7 +30,7 @@ from typing import Any, Final
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, LoadedLog, load_all, say, warn_unreadable, write_output
+from pdfsm.postmortem import Exit, LoadedLog, load_all, none_read, say, warn_unreadable, write_output
 from pdfsm.replay import (
     Visit,
     duration,
@@ -382,8 +382,7 @@ def report_command(args: argparse.Namespace) -> int:
         if log.status == "divergence":
             print(f"pdfsm report: {log.name}: {printable(log.error.splitlines()[0])}", file=sys.stderr)
     code = next((int(log.exit_code) for log in logs if log.exit_code), 0)  # the first failing log's, as replay
-    if all(log.status == "no_log" for log in logs):  # nothing to draw: no page saying "wrote N logs"
-        print(f"pdfsm report: no log could be read: {printable(args.output)} not written", file=sys.stderr)
+    if none_read(logs, args.output, "pdfsm report"):
         return code
     if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
         return Exit.USAGE

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from typing import Any, Final
 
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, load_all, record_json, say, warn_unreadable, write_output
+from pdfsm.postmortem import Exit, load_all, none_read, record_json, say, warn_unreadable, write_output
 from pdfsm.replay import event_detail, machine_key, printable, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
@@ -110,8 +109,7 @@ def trace_command(args: argparse.Namespace) -> int:
     """``pdfsm trace LOG... -o trace.json``: not replayed (``pdfsm replay`` checks), only drawn."""
     logs = load_all(args.logs, check=False)
     code = warn_unreadable(logs, "pdfsm trace")
-    if all(log.status == "no_log" for log in logs):  # nothing to draw: no file saying "wrote N logs"
-        print(f"pdfsm trace: no log could be read: {printable(args.output)} not written", file=sys.stderr)
+    if none_read(logs, args.output, "pdfsm trace"):
         return code
     doc = chrome_trace([(log.name, log.records) for log in logs], events=not args.no_events)
     if not write_output(args.output, json.dumps(doc, separators=(",", ":")), "pdfsm trace"):
