@@ -822,6 +822,17 @@ def test_cancel_waits_until_the_transfer_ended(pair: Pair, monkeypatch: pytest.M
     assert len(pair.outcomes()) == 2
 
 
+def test_release_policy_is_refused_with_the_ucx_thread_pool() -> None:
+    """NIXL's UCX thread pool splits a READ into chunks whose release does not stop them: the
+    "release" cancel rule would report CANCELLED while the pool still writes the blocks. So
+    it needs num_threads=0, and a bad thread count is named."""
+    kv = zero_kv(1, 4, 256)
+    with pytest.raises(ValueError, match="cancel_policy 'release' needs num_threads=0"):
+        NixlTransport(name("r"), kv, cancel_policy="release", num_threads=4)
+    with pytest.raises(ValueError, match="num_threads must be 0 to 64, got -1"):
+        NixlTransport(name("r"), kv, num_threads=-1)
+
+
 def test_cancel_release_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     pr = Pair(cancel_policy="release")
     try:

@@ -309,13 +309,26 @@ class NixlTransport:
 
         ``num_threads`` and ``backend_params`` go to each backend's initialisation. For UCX,
         ``num_threads > 0`` gives a pool of threads, each with its own UCX worker, and a READ
-        of at least ``backend_params["split_batch_size"]`` descriptors (NIXL's default 1024,
-        counted after merging) is split across them; see docs/transports.md for what that does
-        to bandwidth between two processes on one host."""
+        of at least ``backend_params["split_batch_size"]`` descriptors (counted after merging;
+        here ``num_threads`` unless given, NIXL's own default is 1024) is split across them.
+        Between two processes on one host UCX copies in the thread that posts (CMA), and 4
+        threads (vLLM's NixlConnector default) move a contiguous table at 1.3-1.6x the speed
+        of one. The default is still 0, one worker and no pool: with the pool NIXL 1.5.1 aborts
+        the process (a UCX assertion as the agent is destroyed) after a peer died or a read was
+        aborted mid-flight, in four of pdfsm's fault tests (docs/transports.md). Opt in where
+        bandwidth on one host matters more. ``cancel_policy="release"`` needs 0: NIXL
+        releases a split READ while its threads still copy into the local blocks."""
         if xfer_mode not in ("prepped", "descs"):
             raise ValueError(f"xfer_mode must be 'prepped' or 'descs', got {xfer_mode!r}")
         if cancel_policy not in ("wait", "release"):
             raise ValueError(f"cancel_policy must be 'wait' or 'release', got {cancel_policy!r}")
+        if not 0 <= num_threads <= 64:
+            raise ValueError(f"num_threads must be 0 to 64, got {num_threads!r}")
+        if cancel_policy == "release" and num_threads > 0:
+            # NIXL's composite handle (UCX thread pool) only marks itself released; the chunks
+            # its threads posted keep writing into our blocks (ucx_backend.cpp, NIXL 1.4-1.5).
+            raise ValueError(f"cancel_policy 'release' needs num_threads=0 (got {num_threads}): NIXL releases "
+                             "a READ split over its UCX threads while they still write the local blocks")
         self._api = import_nixl()
         self._errors = _error_types(self._api)
         self.agent_name = agent_name
@@ -917,7 +930,7 @@ def _make_agent(api: ModuleType, name: str, *, progress_thread: bool, delay_us: 
     binding-level agent is created with our configuration and the backends are created on it
     through the public ``create_backend``. A NIXL whose Python API is laid out differently gets
     its own default agent, with a warning."""
-    init = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+    init = {"num_threads": str(num_threads), "split_batch_size": str(num_threads)} if num_threads > 0 else {}
     init.update(params)
     if delay_us is None or not progress_thread:
         agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
