@@ -105,14 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="write a Chrome trace (open it in Perfetto) of durable logs")
     t.add_argument("logs", nargs="+", metavar="LOG", type=log_path,
                    help="log directories or segment files, as for replay")
-    t.add_argument("-o", "--output", required=True, help="the trace file to write (JSON)")
+    t.add_argument("-o", "--output", required=True, help="the trace file to write (JSON; - for stdout)")
     t.add_argument("--no-events", action="store_true", help="leave out the instant per record on the thread tracks")
     t.set_defaults(func=_trace)
 
     h = sub.add_parser("report", help="write one self-contained HTML page about durable logs")
     h.add_argument("logs", nargs="+", metavar="LOG", type=log_path,
                    help="log directories or segment files, as for replay")
-    h.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    h.add_argument("-o", "--output", required=True, help="the HTML file to write (- for stdout)")
     h.add_argument("--rows", type=int, default=200, help="requests drawn in the timeline (200)")
     h.set_defaults(func=_report)
     return parser

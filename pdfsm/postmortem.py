@@ -68,6 +68,7 @@ from pdfsm.replay import (
     printable,
     render,
     replay,
+    step_note,
     summarize,
     visits,
 )
@@ -130,6 +131,7 @@ class LoadedLog:
     replayed: bool = False
     replay_note: str = ""  # why the records were not all replayed (a trimmed log, a gap)
     later: str | None = None  # a segment named alone: the next segment of its log, which it stops short of
+    writer_live: bool = False  # a writer held the log's lock as it was read: it was still being written
 
     @property
     def exit_code(self) -> Exit:
@@ -373,7 +375,7 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         aside = f" ({', '.join(moved)} moved aside by --repair)" if moved else ""
         out.status, out.error = "no_log", f"{path}: no log segments here{aside}"
         return out
-    live = repair and writer_holds(path)
+    out.writer_live = live = writer_holds(path)
     if live:  # cutting a live writer's tail would lose what it is writing
         repair = False
     later = _later_segment(path)
@@ -615,19 +617,26 @@ def _raw_details(log: LoadedLog) -> Iterator[str]:
     yield where
     if log.torn is not None:
         t = log.torn
-        if t["repaired"]:
+        if t["repaired"] and t["offset"] == 0:  # nothing of it was kept: say so, not "cut at byte 0"
+            yield (f"  torn tail repaired: {t['file']} held no whole record ({t['reason']}), so it was moved "
+                   f"aside as {t['backup']}")
+        elif t["repaired"]:
             yield (f"  torn tail repaired: {t['file']} cut at byte {t['offset']} ({t['removed_bytes']} bytes "
                    f"removed: {t['reason']}); the damaged file is kept as {t['backup']}")
         else:
             why = ("a writer holds this log, so --repair left it alone" if t.get("writer_live")
                    else f"--repair could not cut it: {t['repair_error']}" if t.get("repair_error")
                    else "--repair cuts it there, keeping a copy")
-            yield (f"  torn tail: {t['file']} at byte {t['offset']}: {t['reason']}; every record before it "
-                   f"replayed; the file was left as it is ({why})")
+            before = "every record before it replayed" if log.records else "no record before it"
+            yield (f"  torn tail: {t['file']} at byte {t['offset']}: {t['reason']}; {before}; "
+                   f"the file was left as it is ({why})")
     for g in log.gaps:
         yield f"  gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} missing ({g.reason})"
     if log.replay_note:
         yield f"  note: {log.replay_note}"
+    if log.writer_live:  # found by a helper's review: it read as a finished log with stuck requests
+        yield ("  note: a writer holds this log: it was still being written, so requests not terminal may "
+               "be in progress, not stuck")
     if log.error:
         lines = log.error.splitlines()
         yield f"  error: {lines[0]}"
@@ -667,9 +676,9 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
 
 
 def _follow_text(f: Followed) -> Iterator[str]:
-    cons = ", ".join(f"{rid} in {log}" for log, rid in f.consumers) or "none"
-    prods = ", ".join(f"{rid} in {log}" for log, rid in f.producers) or "none"
-    yield printable(f"request {f.query}: producer {prods}; consumer {cons}")
+    cons = ", ".join(f"{rid!r} in {log}" for log, rid in f.consumers) or "none"
+    prods = ", ".join(f"{rid!r} in {log}" for log, rid in f.producers) or "none"
+    yield printable(f"request {f.query!r}: producer {prods}; consumer {cons}")
     if not f.entries:
         return
     t0 = f.entries[0][1].event.t_ns
@@ -680,11 +689,7 @@ def _follow_text(f: Followed) -> Iterator[str]:
         arrow = printable(f"{rec.before} -> {rec.state}" if applied else f"{rec.state} ({rec.outcome.name.lower()})")
         key = machine_key(rec)
         who = rec.machine if key is None else f"{rec.machine} {key if isinstance(key, str) else _key(key)}"
-        note = ""
-        if rec.fault is not None:
-            note = f"[{rec.fault.value} fault: {printable(rec.reason)}]"
-        elif rec.reason and not applied:
-            note = f"({printable(rec.reason)})"
+        note = step_note(rec.fault.value if rec.fault is not None else None, rec.reason, applied)
         tail = " ".join(x for x in (event_detail(rec.event), note) if x)
         yield (f"  {at(rec.event.t_ns - t0)}  {printable(log):{width}s} #{rec.seq:<6d} "
                f"{printable(who):20s} "
@@ -733,6 +738,7 @@ def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) 
         "torn_tail": log.torn,
         "replayed": log.replayed,
         "replay_note": log.replay_note or None,
+        "writer_live": log.writer_live,
         "gaps": [{"first_seq": g.first_seq, "count": g.count, "reason": g.reason, "file": g.path,
                   "offset": g.offset} for g in log.gaps],
         "meta": log.meta,
@@ -778,7 +784,16 @@ def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequen
                    "warnings": _mixed_runs(logs, followed)}
     return {"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": exit_code,
             "logs": [_log_json(log, s, at, timelines) for log, s, at in zip(logs, summaries, ats, strict=True)],
-            "request": request, "error": None}
+            "request": request, "error": _not_found(followed)}
+
+
+def _not_found(followed: Followed | None) -> str | None:
+    """A ``--request`` naming a request in none of the logs: a usage error, said in the document too."""
+    return None if followed is None or followed.entries else _not_found_text(followed.query)
+
+
+def _not_found_text(query: str) -> str:
+    return printable(f"request {query!r} is in none of the logs")
 
 
 # --- the command ------------------------------------------------------------------------------------------
@@ -813,6 +828,8 @@ def _resolve_at(specs: Sequence[str], names: Sequence[str]) -> list[int | None] 
         # Sequence numbers are int64: a larger one would go into --json as an integer readers refuse.
         if not (seq.isascii() and seq.isdigit()) or len(seq) > 20 or int(seq) > _MAX_SEQ:
             return f"--at {spec[:80]!r}: expected SEQ or LOG:SEQ with SEQ an integer from 0 to {_MAX_SEQ}"
+        if not name and spec.startswith(":"):  # ":5" names a log by "" (no log is): not a bare SEQ
+            return f"--at {spec[:80]!r}: no log name before ':' (SEQ alone applies to every log)"
         if not name:
             default = int(seq)
         elif name not in names:
@@ -948,7 +965,10 @@ def write_output(path: str, text: str, command: str) -> bool:
     """Write a command's output file, whole or not at all: through a file beside it, renamed over
     it, so a failure leaves an earlier file as it was. A link or what is not a plain file (a
     device such as /dev/stdout, a pipe) is written in place. On failure say why in one line
-    (the caller exits 2)."""
+    (the caller exits 2). ``-`` is stdout, as for other tools."""
+    if path == "-":
+        say(text.removesuffix("\n"))
+        return True
     target = temp = Path(path)
     direct = True
     try:
@@ -966,6 +986,14 @@ def write_output(path: str, text: str, command: str) -> bool:
         print(f"{command}: cannot write {printable(path)}: {printable(why)}", file=sys.stderr)
         return False
     return True
+
+
+def wrote(path: str, line: str) -> None:
+    """The line saying what a command wrote: on stdout, unless the file itself went there (``-o -``)."""
+    if path == "-":
+        print(line, file=sys.stderr)
+    else:
+        say(line)
 
 
 def reader_left() -> None:
@@ -1011,5 +1039,5 @@ def replay_command(args: argparse.Namespace) -> int:
             print(f"pdfsm replay: {log.name}: {printable(log.error.splitlines()[0])} (exit {int(log.exit_code)})",
                   file=sys.stderr)
     if code == Exit.USAGE:
-        print(f"pdfsm replay: request {args.request!r} is in none of the logs", file=sys.stderr)
+        print(f"pdfsm replay: {_not_found_text(args.request)}", file=sys.stderr)
     return code

@@ -47,6 +47,7 @@ __all__ = [
     "outcome_lines",
     "render",
     "replay",
+    "step_note",
     "summarize",
     "time_unit",
     "visits",
@@ -355,7 +356,10 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int 
     At most ``limit`` violations and stuck requests are listed (the counts are always whole).
     """
     span = duration(summary.last_t_ns - summary.first_t_ns)
-    yield f"{title or 'log'}: {summary.events} records up to seq {summary.last_seq}, {span}"
+    if not summary.events:  # not "0 records up to seq -1, 0 ns"
+        yield f"{title or 'log'}: no records"
+    else:
+        yield f"{title or 'log'}: {summary.events} records up to seq {summary.last_seq}, {span}"
     for machine, counts in sorted(summary.per_state.items()):
         # Machine and state names come from the file: a crafted one must not forge lines either.
         states = ", ".join(f"{printable(state)} {n}" for state, n in sorted(counts.items()))
@@ -383,8 +387,18 @@ def render(summary: Summary, *, title: str = "", timelines: int = 8, limit: int 
         at = offsets(max(st.t_ns for st in steps) - t0)
         yield f"  {printable(machine)} {printable(repr(key))}:"
         for st in steps:
-            arrow = printable(f"{st.before} -> {st.state}" if st.outcome == "applied" else f"{st.state} ({st.outcome})")
-            yield f"    {at(st.t_ns - t0)}  #{st.seq:<6d} {st.event:22s} {arrow:24s} {st.detail}".rstrip()
+            applied = st.outcome == "applied"
+            arrow = printable(f"{st.before} -> {st.state}" if applied else f"{st.state} ({st.outcome})")
+            tail = " ".join(x for x in (st.detail, step_note(st.fault, st.reason, applied)) if x)
+            yield f"    {at(st.t_ns - t0)}  #{st.seq:<6d} {st.event:22s} {arrow:24s} {tail}".rstrip()
+
+
+def step_note(fault: str | None, reason: str, applied: bool) -> str:
+    """What a timeline line says of a record beyond its transition: its fault and reason, or
+    why it was not applied (the same in a log's timelines and a request's)."""
+    if fault is not None:
+        return f"[{fault} fault: {printable(reason)}]"
+    return f"({printable(reason)})" if reason and not applied else ""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any, Final
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, LoadedLog, load_all, none_read, say, warn_unreadable, write_output
+from pdfsm.postmortem import Exit, LoadedLog, load_all, none_read, warn_unreadable, write_output, wrote
 from pdfsm.replay import (
     Visit,
     duration,
@@ -40,7 +40,6 @@ from pdfsm.replay import (
     outcome_lines,
     printable,
     summarize,
-    time_unit,
     visits,
 )
 
@@ -73,7 +72,8 @@ th { background: #f3f3f3; text-align: left; } .num { text-align: right; }
 
 
 def _e(text: object) -> str:
-    return html.escape(str(text), quote=True)
+    """Escaped for HTML, control characters too (a peer chooses some ids and reasons)."""
+    return html.escape(printable(str(text)), quote=True)
 
 
 def _key(key: Any) -> str:
@@ -217,17 +217,21 @@ def _legend(states: Iterable[str]) -> str:
 
 
 def _violations(logs: Sequence[LoadedLog]) -> Iterator[str]:
-    rows = [(log.name, r) for log in logs for r in log.records if r.fault is not None]
+    # Times from each log's first record, as on the timeline and in `pdfsm replay` (its clock's
+    # raw readings mean nothing to a reader; a helper's review found them here).
+    rows = [(log.name, r, r.event.t_ns - t0) for log in logs
+            for t0 in [min((x.event.t_ns for x in log.records), default=0)]
+            for r in log.records if r.fault is not None]
     stuck = [(log.name, m, k, s) for log in logs for m, k, s in summarize(log.records, timelines=False).stuck]
     yield f"<h2>Violations ({len(rows)})</h2>"
     if rows:
-        unit, per, places = time_unit(max(abs(r.event.t_ns) for _, r in rows))  # small clocks: us or ns
-        yield (f"<table><tr><th>log</th><th>seq</th><th>t ({unit})</th><th>machine</th><th>key</th><th>event</th>"
-               "<th>outcome</th><th>fault</th><th>reason</th></tr>")
-        for name, r in rows:
+        offset = offsets(max(t for _, _, t in rows), pad=False)
+        yield ("<table><tr><th>log</th><th>seq</th><th>t (from the log's first record)</th><th>machine</th>"
+               "<th>key</th><th>event</th><th>outcome</th><th>fault</th><th>reason</th></tr>")
+        for name, r, t in rows:
             fault = r.fault.value if r.fault is not None else ""
             yield (f"<tr><td>{_e(name)}</td><td class=\"num\">{r.seq}</td><td class=\"num\">"
-                   f"{r.event.t_ns / per:.{places}f}</td><td>{_e(r.machine)}</td><td>{_e(_key(machine_key(r)))}</td>"
+                   f"{_e(offset(t))}</td><td>{_e(r.machine)}</td><td>{_e(_key(machine_key(r)))}</td>"
                    f"<td>{_e(type(r.event).__name__)} {_e(event_detail(r.event))}</td>"
                    f"<td>{_e(r.outcome.name.lower())}</td><td style=\"color:{_FAULT_COLOURS.get(fault, '#000')}\">"
                    f"{_e(fault)}</td><td>{_e(r.reason)}</td></tr>")
@@ -345,7 +349,8 @@ def _diagrams(logs: Sequence[LoadedLog]) -> Iterator[str]:
         yield diagram_svg(table, entered[name], moved[name])
         yield from _matrix(table, mine)
         shade = {(b, e) for b, e in mine} | {(s, "") for s in entered[name]}
-        yield f"<details><summary>Mermaid source</summary><pre>{_e(mermaid(table, shade=shade))}</pre></details>"
+        source = html.escape(mermaid(table, shade=shade))  # multi-line: its newlines stay
+        yield f"<details><summary>Mermaid source</summary><pre>{source}</pre></details>"
 
 
 # --- the page --------------------------------------------------------------------------------------
@@ -386,5 +391,5 @@ def report_command(args: argparse.Namespace) -> int:
         return code
     if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
         return Exit.USAGE
-    say(f"wrote {printable(args.output)}: {len(logs)} logs, self-contained (open it in any browser)")
+    wrote(args.output, f"wrote {printable(args.output)}: {len(logs)} logs, self-contained (open it in any browser)")
     return code

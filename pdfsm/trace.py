@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, load_all, none_read, record_json, say, warn_unreadable, write_output
+from pdfsm.postmortem import Exit, load_all, none_read, record_json, warn_unreadable, write_output, wrote
 from pdfsm.replay import event_detail, machine_key, printable, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
@@ -41,6 +41,11 @@ def _us(t_ns: int) -> float:
 
 def _name(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
+
+
+def _arg(key: Any) -> Any:
+    """A machine key in an event's args as ``pdfsm replay --json`` writes it (an engine's as a list)."""
+    return list(key) if isinstance(key, tuple) else key
 
 
 def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) -> list[dict[str, Any]]:
@@ -70,7 +75,7 @@ def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) ->
             tid = thread(sources, src, src, 0)
             body.append({"ph": "i", "s": "t", "name": type(rec.event).__name__, "cat": "event",
                          "ts": _us(rec.event.t_ns), "pid": pid, "tid": tid,
-                         "args": {"seq": rec.seq, "machine": rec.machine, "key": _name(machine_key(rec)),
+                         "args": {"seq": rec.seq, "machine": rec.machine, "key": _arg(machine_key(rec)),
                                   "before": rec.before, "state": rec.state, "outcome": rec.outcome.name.lower(),
                                   "reason": rec.reason, "detail": event_detail(rec.event)}})
     end = max((r.event.t_ns for r in records), default=0)
@@ -80,7 +85,7 @@ def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) ->
         stop = v.start_t_ns if v.terminal else (end if v.end_t_ns is None else v.end_t_ns)
         body.append({"ph": "X", "name": v.state, "cat": v.machine, "ts": _us(v.start_t_ns),
                      "dur": max(0, stop - v.start_t_ns) / 1000, "pid": pid, "tid": tid,
-                     "args": {"key": _name(v.key), "from_seq": v.start_seq, "to_seq": v.end_seq,
+                     "args": {"key": _arg(v.key), "from_seq": v.start_seq, "to_seq": v.end_seq,
                               "entered_by": v.entered_by, "left_by": v.left_by or None, "open": still}})
     for rec in records:
         if rec.fault is None:
@@ -117,6 +122,6 @@ def trace_command(args: argparse.Namespace) -> int:
     kinds: dict[str, int] = {}
     for e in doc["traceEvents"]:
         kinds[e["ph"]] = kinds.get(e["ph"], 0) + 1
-    say(f"wrote {printable(args.output)}: {len(logs)} logs, {kinds.get('X', 0)} state slices, "
-        f"{kinds.get('i', 0)} instants (open it in Perfetto, ui.perfetto.dev, or chrome://tracing)")
+    wrote(args.output, f"wrote {printable(args.output)}: {len(logs)} logs, {kinds.get('X', 0)} state slices, "
+          f"{kinds.get('i', 0)} instants (open it in Perfetto, ui.perfetto.dev, or chrome://tracing)")
     return code or Exit.OK

@@ -161,7 +161,7 @@ def test_a_request_timeline_of_a_short_run_shows_distinct_times(sims: dict[str, 
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "replay", str(sims["read-error"]), "--request", "req-3")
     assert code == 0
-    lines = out.split("request req-3:", 1)[1].splitlines()[1:]
+    lines = out.split("request 'req-3':", 1)[1].splitlines()[1:]
     times = [m.groups() for line in lines if (m := re.match(r"  \+ *([\d.]+) (\w+) ", line))]
     assert len(times) == len(lines) > 3
     assert {unit for _, unit in times} == {"us"}
@@ -177,7 +177,7 @@ def test_at_cuts_the_request_timeline(sims: dict[str, Path], capsys: pytest.Capt
     logs = sims["read-error"]
     code, out, _ = _run(capsys, "replay", str(logs), "--request", "req-3", "--at", "10")
     assert code == 0
-    entries = out.split("request req-3:", 1)[1].splitlines()[1:]
+    entries = out.split("request 'req-3':", 1)[1].splitlines()[1:]
     seqs = [int(m[1]) for line in entries if (m := re.search(r" #(\d+) ", line))]
     assert seqs and max(seqs) <= 10
     assert "HandleFailed" not in "\n".join(entries)
@@ -188,8 +188,9 @@ def test_at_cuts_the_request_timeline(sims: dict[str, Path], capsys: pytest.Capt
     assert any(e["seq"] > 10 for e in entries_json if e["log"] == "decode-tp1")  # the others: to their end
     code, out, _ = _run(capsys, "replay", str(logs), "--request", "req-3", "--at", "2")
     assert code == 0  # it is in the logs, only later: not "in none of the logs" (exit 2)
-    assert out.endswith("request req-3: producer req-3 in prefill-tp0, req-3 in prefill-tp1; consumer d-req-3 in "
-                        "decode-tp0, d-req-3 in decode-tp1\n  (none of its records is at or before --at)\n")
+    assert out.endswith("request 'req-3': producer 'req-3' in prefill-tp0, 'req-3' in prefill-tp1; consumer "
+                        "'d-req-3' in decode-tp0, 'd-req-3' in decode-tp1\n"
+                        "  (none of its records is at or before --at)\n")
 
 
 def test_at_past_the_end_says_so_in_text_and_json(sims: dict[str, Path], tmp_path: Path,
@@ -229,7 +230,7 @@ def test_logs_of_two_runs_merged_into_one_request_are_warned_about(sims: dict[st
     for worker in ("decode-tp0", "decode-tp1", "prefill-tp0", "prefill-tp1"):
         assert f"{worker}, {worker}#2 (engine " in warnings[0]
     assert out.splitlines().index(warnings[0]) == out.splitlines().index(
-        next(line for line in out.splitlines() if line.startswith("request req-3:"))) + 1
+        next(line for line in out.splitlines() if line.startswith("request 'req-3':"))) + 1
     code, out, _ = _run(capsys, "replay", str(sims["read-error"]), str(sims["read-error-2"]), "--request", "req-3",
                         "--json")
     assert json.loads(out)["request"]["warnings"] == [warnings[0].removeprefix("  warning: ")]

@@ -149,9 +149,9 @@ def test_a_request_is_followed_across_prefill_and_decode(faulty: Path, capsys: p
     code, by_local, _ = _run(capsys, "replay", str(faulty), "--request", "d-req-3")
     assert code == 0
     _, by_producer, _ = _run(capsys, "replay", str(faulty), "--request", "req-3")
-    timeline = by_local.split("request d-req-3:", 1)[1].splitlines()[1:]
-    assert timeline == by_producer.split("request req-3:", 1)[1].splitlines()[1:]
-    assert "producer req-3 in prefill-tp0, req-3 in prefill-tp1; consumer d-req-3 in decode-tp0" in by_local
+    timeline = by_local.split("request 'd-req-3':", 1)[1].splitlines()[1:]
+    assert timeline == by_producer.split("request 'req-3':", 1)[1].splitlines()[1:]
+    assert "producer 'req-3' in prefill-tp0, 'req-3' in prefill-tp1; consumer 'd-req-3' in decode-tp0" in by_local
     cols = [line.replace("+", "", 1).split() for line in timeline]  # time, ms, log, #seq, machine, key, event
     assert {"prefill-tp0", "prefill-tp1", "decode-tp0"} <= {c[2] for c in cols}
     times = [float(c[0]) for c in cols]

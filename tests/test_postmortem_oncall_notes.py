@@ -1,0 +1,125 @@
+"""`pdfsm replay` / `report` findings of an on-call review (helper, 2026-11-28): a log still being
+written read as a finished one with stuck requests; the report's violation times were raw clock
+readings; a log's timelines dropped the fault and reason `--request` shows; `--json` said no
+error for a request in none of the logs; `--at :5` passed for a bare `--at 5`; control bytes of
+ids reached the HTML page."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import ev, make_core, run_cli, run_cli_captured
+
+from pdfsm import filelog
+from pdfsm.events import BlocksHeld, NotificationReceived
+from pdfsm.log import MemorySink
+from pdfsm.postmortem import LoadedLog, verify
+from pdfsm.report import render_report
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """decode-tp0, prefill-tp0, prefill-tp1; req-3's first notification to prefill rank 0 is lost,
+    so its hold there expires: a remote fault."""
+    d = tmp_path_factory.mktemp("demo")
+    assert run_cli("demo-sim", "--requests", "6", "--log-dir", str(d), "--quiet",
+                   "--fault", "drop-notification") == 0
+    return d
+
+
+def test_a_log_its_writer_still_holds_says_so(demo: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Replayed while its writer runs, a log's open requests are in progress, not stuck: the text
+    says so in a note and the JSON in ``writer_live``; a log no writer holds says neither."""
+    live = tmp_path / "live"
+    shutil.copytree(demo / "prefill-tp0", live)
+    fd = filelog.lock_writer(live)
+    try:
+        code, out, _ = run_cli_captured(capsys, "replay", str(live), "--timelines", "0")
+        assert code == 0
+        assert "note: a writer holds this log: it was still being written" in out
+        code, out, _ = run_cli_captured(capsys, "replay", str(live), "--json")
+        assert json.loads(out)["logs"][0]["writer_live"] is True
+    finally:
+        os.close(fd)
+    code, out, _ = run_cli_captured(capsys, "replay", str(live), "--json")
+    assert json.loads(out)["logs"][0]["writer_live"] is False
+    code, out, _ = run_cli_captured(capsys, "replay", str(live), "--timelines", "0")
+    assert "a writer holds this log" not in out
+
+
+def test_a_logs_timelines_say_the_fault_and_reason_as_request_does(demo: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The expired hold's LeaseExpired line: `--request` said "[remote fault: lease expired...]";
+    the log's own timelines printed the bare transition."""
+    code, out, _ = run_cli_captured(capsys, "replay", str(demo / "prefill-tp0"), "--timelines", "20")
+    assert code == 0
+    expired = [line for line in out.splitlines() if "LeaseExpired" in line and "HOLDING -> EXPIRED" in line]
+    assert expired and all("[remote fault: lease expired" in line for line in expired), expired
+    code, out, _ = run_cli_captured(capsys, "replay", str(demo), "--request", "req-3")
+    assert any("LeaseExpired" in line and "[remote fault: lease expired" in line for line in out.splitlines())
+
+
+def test_report_violation_times_run_from_the_logs_first_record(demo: Path, tmp_path: Path) -> None:
+    """The page says each log's times run from its own first record; the violations table
+    printed the clock's raw reading (6179495.647 ms on a host up for 1.7 hours)."""
+    page_path = tmp_path / "report.html"
+    assert run_cli("report", str(demo), "-o", str(page_path)) == 0
+    page = page_path.read_text()
+    table = page.split("<h2>Violations", 1)[1].split("</table>", 1)[0]
+    assert "t (from the log's first record)" in table
+    times = re.findall(r'<td class="num">\d+</td><td class="num">([^<]*)</td>', table)
+    assert times and all(re.fullmatch(r"\+\d+\.\d+ (ms|us|ns|s)", t) for t in times), times
+    assert all(float(t[1:].split()[0]) < 60_000 for t in times)  # a demo of seconds, not the clock's epoch
+
+
+def test_json_names_a_request_in_none_of_the_logs_as_its_error(demo: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli_captured(capsys, "replay", str(demo), "--json", "--request", "nope")
+    doc = json.loads(out)
+    assert code == 2 and doc["exit_code"] == 2
+    assert doc["error"] == "request 'nope' is in none of the logs"
+    assert doc["logs"] and all(log["status"] == "ok" for log in doc["logs"])
+    assert "request 'nope' is in none of the logs" in err
+    code, out, _ = run_cli_captured(capsys, "replay", str(demo), "--json", "--request", "req-3")
+    assert code == 0 and json.loads(out)["error"] is None
+
+
+def test_at_with_an_empty_log_name_is_a_usage_error(demo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli_captured(capsys, "replay", str(demo), "--at", ":5")
+    assert code == 2 and "no log name before ':'" in err
+    code, _, _ = run_cli_captured(capsys, "replay", str(demo), "--at", "5")
+    assert code == 0
+
+
+def test_the_report_escapes_control_characters_of_ids() -> None:
+    """A request id with an escape sequence (a peer chooses producer ids) is written escaped, as
+    the text output writes it: no raw control byte reaches the page (it did, in the title of
+    every bar and row of that request)."""
+    sink = MemorySink()
+    core = make_core(strict=False, sink=sink)
+    core.apply(ev(BlocksHeld, 1_000, request_id="p\x1b[31m1", block_ids=(1,)))
+    core.apply(ev(NotificationReceived, 2_000, request_id="q", part=0, of=1, sender="d\x1b[2J"))
+    core.log.flush()
+    page = render_report([verify(LoadedLog("prefill", "(memory)", list(sink.records)))])
+    assert "\x1b" not in page
+    assert "p\\x1b[31m1" in page
+
+
+def test_trace_and_report_write_to_stdout_with_dash(demo: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``-o -`` wrote a file named "-"; now the document goes to stdout and the "wrote" line to
+    stderr. Engine keys in the trace's args are lists, as in ``replay --json``."""
+    assert run_cli("trace", str(demo), "-o", "-") == 0
+    out, err = capfd.readouterr()
+    doc = json.loads(out)
+    assert "wrote -" in err and not Path("-").exists()
+    keys = [e["args"]["key"] for e in doc["traceEvents"] if e.get("cat") == "engine"]
+    assert keys and all(isinstance(k, list) and isinstance(k[1], int) for k in keys), keys[:3]
+    assert run_cli("report", str(demo), "-o", "-") == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("<!DOCTYPE html>") and out.rstrip().endswith("</html>") and "wrote -" in err
