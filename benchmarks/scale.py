@@ -145,8 +145,8 @@ class Side:
         self.role = role
         self.live: deque[str] = deque()
         self.next_id = 0
-        self.params = KVTransferParams(lease_ns=60_000_000_000, remote_engine_id="prefill", remote_request_id="p",
-                                       remote_block_ids=BLOCKS)
+        self.params = KVTransferParams(remote_tp_size=1, lease_ns=60_000_000_000, remote_engine_id="prefill",
+                                       remote_request_id="p", remote_block_ids=BLOCKS)
         for _ in range(n):
             self.add()
             if len(self.live) % 1000 == 0:

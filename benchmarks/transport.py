@@ -192,7 +192,7 @@ class Case:
         self.transport.xfer_mode = mode  # type: ignore[assignment]
         self.n += 1
         rid = f"r{self.n}"
-        params = KVTransferParams(lease_ns=60_000_000_000,
+        params = KVTransferParams(remote_tp_size=1, lease_ns=60_000_000_000,
                                   remote_engine_id=self.engine, remote_request_id=f"bench-{self.n}",  # single-use
                                   remote_host=self.engine, remote_port=1, remote_block_ids=remote)
         conn = self.conn

@@ -123,7 +123,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_host: str = "127.0.0.1"
     remote_port: _Port = 0
     remote_block_ids: _BlockIds = ()
-    remote_tp_size: _Size = 1
+    remote_tp_size: _Size  # said, never defaulted: 1 for a TP>1 producer reads the wrong ranks (vLLM router PR 191)
     remote_pp_size: _Size = 1
     lease_ns: _Duration = 0  # how long the producer holds the blocks: required by parse (0 is refused)
     # When the producer handed the params out, on its wall clock (0: not known): the decode side
@@ -158,13 +158,14 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         except msgspec.ValidationError as exc:
             # msgspec names the path of a bad value, or the required field that is missing
             at = re.search(r"at `\$\.(\w+)|missing required field `(\w+)`", str(exc))
-            raise InvalidInput(next(g for g in at.groups() if g) if at else "kv_transfer_params", str(exc)) from None
+            field = next(g for g in at.groups() if g) if at else "kv_transfer_params"
+            if field == "remote_tp_size" and "remote_tp_size" not in params:  # it plans every read: said
+                hint = " (vLLM's tp_size is pdfsm's remote_tp_size)" if "tp_size" in params else ""
+                raise InvalidInput(field, f"missing from kv_transfer_params: the producer's TP size{hint}") from None
+            raise InvalidInput(field, str(exc)) from None
         except UnicodeEncodeError:  # a lone surrogate, as json.loads gives for "\ud800": no message could carry it
             bad = next((k for k, v in known.items() if isinstance(v, str) and not _encodes(v)), "kv_transfer_params")
             raise InvalidInput(bad, "must be valid Unicode (no lone surrogates)") from None
-        if "remote_tp_size" not in params:  # it plans every read: said, never defaulted
-            hint = " (vLLM's tp_size is pdfsm's remote_tp_size)" if "tp_size" in params else ""
-            raise InvalidInput("remote_tp_size", f"missing from kv_transfer_params: the producer's TP size{hint}")
         if not parsed.lease_ns:  # a read would be trusted for the whole read timeout, past a shorter lease
             raise InvalidInput("lease_ns", "missing or 0 in kv_transfer_params: the producer's lease on the blocks "
                                            "bounds how long a read of them can be trusted")
@@ -250,6 +251,13 @@ def _naming(batch: str, rid: object) -> Iterator[None]:
     except InvalidInput as exc:
         rid_ok = rid if isinstance(rid, str) else None
         raise InvalidInput(f"{batch}[{rid!r}].{exc.field}", exc.problem, request_id=rid_ok) from None
+
+
+def _owned(exc: InvalidInput, request_id: object) -> InvalidInput:
+    """The error of a call about one request names it, as a step's entry does (``_naming``)."""
+    if exc.request_id is None and isinstance(request_id, str):
+        exc.request_id = request_id
+    return exc
 
 
 def _check_id(field: str, value: object) -> str:
@@ -526,7 +534,10 @@ class Connector:
         self._open()
         if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
             _check_int("issued_wall_ns", issued_wall_ns, low=1)
-        held = self._blocks_held(request_id, block_ids, lease_ns, issued_wall_ns)
+        try:
+            held = self._blocks_held(request_id, block_ids, lease_ns, issued_wall_ns)
+        except InvalidInput as exc:
+            raise _owned(exc, request_id) from None
         self._submit_hold(held)
         cfg = self.config
         return KVTransferParams(remote_engine_id=cfg.engine_id, remote_request_id=held.request_id,
@@ -604,8 +615,11 @@ class Connector:
         :meth:`heartbeat` does not move the start: nothing confirms the producer got it.
         """
         self._open()
-        self._submit_load(*self._read_requested(request_id, local_block_ids, params, lease_start_ns,
-                                                computed_blocks))
+        try:
+            requested = self._read_requested(request_id, local_block_ids, params, lease_start_ns, computed_blocks)
+        except InvalidInput as exc:
+            raise _owned(exc, request_id) from None
+        self._submit_load(*requested)
 
     def _read_requested(self, request_id: str, local_block_ids: Sequence[int],
                         params: KVTransferParams | Mapping[str, Any],

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             started += 1
             rid = f"req-{started}"
             p_blocks = [free_p.pop(rng.randrange(len(free_p))) for _ in range(n)]
-            params = KVTransferParams(remote_engine_id="", remote_request_id="")
+            params = KVTransferParams(remote_tp_size=1, remote_engine_id="", remote_request_id="")
             stamp = time.time_ns()  # the scheduler's one stamp: every rank's hold is the same hold
             for w in prefill.workers:  # every producer rank holds its part of the blocks
                 params = w.request_finished(rid, p_blocks, issued_wall_ns=stamp)

@@ -301,7 +301,7 @@ def test_bad_input_is_refused_by_name_and_nothing_accepted_is_lost() -> None:
         (lambda: d.load("x", [1], None), "kv_transfer_params"),  # type: ignore[arg-type]
         (lambda: d.load("x", [1], params, lease_start_ns="0"), "lease_start_ns"),  # type: ignore[arg-type]
         # A typed instance is checked too: its constructor checks neither types nor bounds.
-        (lambda: d.load("x", [1], KVTransferParams(remote_engine_id="P", remote_request_id="p1",
+        (lambda: d.load("x", [1], KVTransferParams(remote_tp_size=1, remote_engine_id="P", remote_request_id="p1",
                                                    lease_ns="1")), "lease_ns"),  # type: ignore[arg-type]
         (lambda: d.load("x", [1], {**params.to_dict(), "remote_port": 70000}), "remote_port"),
         (lambda: w.p[0].request_finished("y", [1], lease_ns=True), "lease_ns"),
@@ -354,6 +354,29 @@ def test_start_load_kv_refuses_a_bad_step_whole() -> None:
     _, recv = w.run()
     assert recv == {"x": 1}  # "a" was never submitted, and the abort of x was not applied either
     assert not d.last.aborted
+
+
+def test_params_built_by_hand_must_say_the_producers_tp_size() -> None:
+    """A dict without ``remote_tp_size`` is refused (vLLM router PR 191); an instance built by
+    hand defaulted it to 1, which no check could tell from a TP 1 producer's."""
+    with pytest.raises(TypeError, match="remote_tp_size"):
+        KVTransferParams(remote_engine_id="P", remote_request_id="p1", lease_ns=1)  # type: ignore[call-arg]
+    with pytest.raises(InvalidInput, match="remote_tp_size: missing") as err:
+        KVTransferParams.parse({"remote_engine_id": "P", "remote_request_id": "p1", "tp_size": 2})
+    assert "vLLM's tp_size" in str(err.value)
+
+
+def test_an_error_of_load_or_request_finished_names_its_request() -> None:
+    """``InvalidInput.request_id`` was set only for a step's entries (``start_load_kv``); a direct
+    call's error left it None, though the call is about exactly one request."""
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    with pytest.raises(InvalidInput) as err:
+        w.d[0].load("d1", [1, 1], params)
+    assert err.value.request_id == "d1" and err.value.field == "local_block_ids"
+    with pytest.raises(InvalidInput) as err:
+        w.p[0].request_finished("p2", [])
+    assert err.value.request_id == "p2" and err.value.field == "block_ids"
 
 
 def test_params_are_single_use() -> None:

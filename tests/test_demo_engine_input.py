@@ -84,8 +84,8 @@ def _engine(log_dir: Path, *lines: bytes, role: str = "decode", engine_id: str =
 
 def _params(rid: str, blocks: tuple[int, ...]) -> KVTransferParams:
     """Params of a producer nobody runs (port 9): a read of them fails, reported."""
-    return KVTransferParams(remote_engine_id="q", remote_request_id=rid, remote_port=9, remote_block_ids=blocks,
-                            lease_ns=3_000_000_000, issued_wall_ns=time.time_ns())
+    return KVTransferParams(remote_tp_size=1, remote_engine_id="q", remote_request_id=rid, remote_port=9,
+                            remote_block_ids=blocks, lease_ns=3_000_000_000, issued_wall_ns=time.time_ns())
 
 
 def _files(d: Path) -> dict[str, bytes]:

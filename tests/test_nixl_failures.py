@@ -88,7 +88,7 @@ class Producer(PeerProcess):
     def hold(self, rid: str, blocks: list[int]) -> KVTransferParams:
         self.send(f"HOLD {rid} {','.join(map(str, blocks))}")
         self.wait_for(f"HELD {rid}")
-        return KVTransferParams(remote_engine_id="P", remote_request_id=rid, remote_host="127.0.0.1",
+        return KVTransferParams(remote_tp_size=1, remote_engine_id="P", remote_request_id=rid, remote_host="127.0.0.1",
                                 remote_port=self.port, remote_block_ids=tuple(blocks),
                                 remote_incarnation=self.info.incarnation, lease_ns=120_000_000_000)
 

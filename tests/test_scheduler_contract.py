@@ -309,7 +309,7 @@ def test_holds_whose_request_failed_to_load_are_released_once_and_at_once() -> N
     assert sent == {"r": 1} and got == {"back": 1} and w.pt.block(7) == pattern("D-0", 5, 64)
 
     w2 = _Pair()
-    early = KVTransferParams(lease_ns=60_000_000_000,
+    early = KVTransferParams(remote_tp_size=1, lease_ns=60_000_000_000,
                              remote_engine_id="P", remote_request_id="p5", remote_port=9, remote_block_ids=(2,))
     w2.net.script("d5", 0, 0, ReadScript(polls=0, end="err"))
     w2.d.load("d5", [5], early)

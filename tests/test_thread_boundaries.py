@@ -603,7 +603,7 @@ def test_concurrent_handshakes_to_many_engines_make_one_attempt_each_and_report_
             for i in range(6):
                 rid = f"{name}-{i}"
                 rids[rid] = name
-                decode.load(rid, [block], KVTransferParams(lease_ns=60_000_000_000,
+                decode.load(rid, [block], KVTransferParams(remote_tp_size=1, lease_ns=60_000_000_000,
                                                            remote_engine_id=name, remote_request_id=f"r{i}",
                                                            remote_port=port, remote_block_ids=(i,)))
                 block += 1
@@ -637,7 +637,7 @@ def test_shutdown_during_a_hanging_handshake_returns_promptly_and_reports_the_re
     decode = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(SimNetwork(), "D0"),
                        SideChannelHandshaker("D", timeout=30.0, connect_timeout=30.0), log=log)
     try:
-        decode.load("r", [0], KVTransferParams(lease_ns=60_000_000_000,
+        decode.load("r", [0], KVTransferParams(remote_tp_size=1, lease_ns=60_000_000_000,
                                                remote_engine_id="P", remote_request_id="p", remote_port=silent.port,
                                                remote_block_ids=(0,)))
         decode.get_finished()

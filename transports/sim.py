@@ -90,6 +90,9 @@ class SimNetwork:
         self.listeners[(host, port)] = reply_for
 
     def script(self, request_id: str, pp_rank: int, tp_rank: int, script: ReadScript) -> None:
+        """How the read of consumer request ``request_id`` (the decode side's id, not the
+        producer's) from remote rank (``pp_rank``, ``tp_rank``) goes: polls in flight, then its
+        end; used by the next read of that key only. Unscripted reads follow ``default_read``."""
         self.read_scripts[(request_id, pp_rank, tp_rank)] = script
 
     def fault_notification(self, request_id: str, action: Literal["drop", "duplicate", "delay"], n: int = 1) -> None:
