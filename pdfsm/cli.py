@@ -128,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args)
         # Now, not at exit, where a reader that left would turn the code into 120. The reader leaving
         # is no error of ours, and replay, trace and report keep their code when it does (say()).
-        sys.stdout.flush()
+        if sys.stdout is not None:  # started with stdout closed (`>&-`): nothing was printed to flush
+            sys.stdout.flush()
     except BrokenPipeError:
         reader_left()
     return code

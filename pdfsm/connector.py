@@ -532,9 +532,9 @@ class Connector:
         ``lease_ns`` must be the same on every rank: the params carry the minting rank's.
         """
         self._open()
-        if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
-            _check_int("issued_wall_ns", issued_wall_ns, low=1)
         try:
+            if issued_wall_ns is not None:  # 0 would say "not said": the hold would match any notice
+                _check_int("issued_wall_ns", issued_wall_ns, low=1)
             held = self._blocks_held(request_id, block_ids, lease_ns, issued_wall_ns)
         except InvalidInput as exc:
             raise _owned(exc, request_id) from None

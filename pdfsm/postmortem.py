@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import errno
 import json
 import math
 import mmap
@@ -108,6 +109,10 @@ class Exit(enum.IntEnum):
     UNSUPPORTED = 5
     NO_LOG = 6
 
+
+WRITER_LIVE: Final = ("a writer holds this log (its writer.lock is locked, or no regular file): it may still be "
+                      "written, so requests not terminal may be in progress, not stuck")
+"""What replay and report say of a log whose writer may still be running."""
 
 _EXIT: Final = {"ok": Exit.OK, "torn_tail": Exit.OK, "divergence": Exit.DIVERGENCE, "corrupt": Exit.CORRUPT,
                 "unsupported": Exit.UNSUPPORTED, "no_log": Exit.NO_LOG}
@@ -635,8 +640,7 @@ def _raw_details(log: LoadedLog) -> Iterator[str]:
     if log.replay_note:
         yield f"  note: {log.replay_note}"
     if log.writer_live:  # found by a helper's review: it read as a finished log with stuck requests
-        yield ("  note: a writer holds this log: it was still being written, so requests not terminal may "
-               "be in progress, not stuck")
+        yield (f"  note: {WRITER_LIVE}")
     if log.error:
         lines = log.error.splitlines()
         yield f"  error: {lines[0]}"
@@ -670,7 +674,7 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
         yield from _details(log)
         return
     lines = list(render(summary, title=title, timelines=timelines, limit=limit))
-    yield lines[0]
+    yield lines[0] if log.records else title  # the headline says "no records to replay" already
     yield from _details(log)
     yield from lines[1:]
 
@@ -773,7 +777,7 @@ def _outcomes_json(summary: Summary) -> dict[str, Any]:
 
 
 def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequence[int | None],
-            followed: Followed | None, *, timelines: int, exit_code: int) -> dict[str, Any]:
+            followed: Followed | None, *, timelines: int, exit_code: int, found: bool = True) -> dict[str, Any]:
     """The whole ``--json`` document (schema 1, docs/replay-json.md)."""
     request = None
     if followed is not None:
@@ -781,15 +785,12 @@ def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequen
                    "consumers": [{"log": log, "request_id": rid} for log, rid in followed.consumers],
                    "producers": [{"log": log, "request_id": rid} for log, rid in followed.producers],
                    "entries": [record_json(rec, log) for log, rec in followed.entries],
-                   "warnings": _mixed_runs(logs, followed)}
+                   "warnings": _mixed_runs(logs, followed),
+                   # in the logs at all, --at aside: false is the usage error "in none of the logs"
+                   "found": found}
     return {"schema": SCHEMA, "tool": "pdfsm replay", "exit_code": exit_code,
             "logs": [_log_json(log, s, at, timelines) for log, s, at in zip(logs, summaries, ats, strict=True)],
-            "request": request, "error": _not_found(followed)}
-
-
-def _not_found(followed: Followed | None) -> str | None:
-    """A ``--request`` naming a request in none of the logs: a usage error, said in the document too."""
-    return None if followed is None or followed.entries else _not_found_text(followed.query)
+            "request": request, "error": None}
 
 
 def _not_found_text(query: str) -> str:
@@ -856,7 +857,7 @@ def print_replay(logs: Sequence[LoadedLog], *, out: Callable[[str], None] | None
     if followed is not None:  # --at cuts the request's timeline as it cuts each log's summary
         _cut(followed, {log.name: at for log, at in zip(logs, ats, strict=True)})
     if as_json:
-        doc = to_json(logs, summaries, ats, followed, timelines=timelines, exit_code=code)
+        doc = to_json(logs, summaries, ats, followed, timelines=timelines, exit_code=code, found=found)
         out(json.dumps(doc, indent=2))
         return code
     for log, summary, at in zip(logs, summaries, ats, strict=True):
@@ -967,8 +968,7 @@ def write_output(path: str, text: str, command: str) -> bool:
     device such as /dev/stdout, a pipe) is written in place. On failure say why in one line
     (the caller exits 2). ``-`` is stdout, as for other tools."""
     if path == "-":
-        say(text.removesuffix("\n"))
-        return True
+        return _write_stdout(text, command)
     target = temp = Path(path)
     direct = True
     try:
@@ -984,6 +984,22 @@ def write_output(path: str, text: str, command: str) -> bool:
                 temp.unlink()
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         print(f"{command}: cannot write {printable(path)}: {printable(why)}", file=sys.stderr)
+        return False
+    return True
+
+
+def _write_stdout(text: str, command: str) -> bool:
+    """``-o -``: the whole text to stdout, or one line saying why not (a reader that left is no
+    failure: the command goes on to its exit code, as replay's output does)."""
+    try:
+        if sys.stdout is None:
+            raise OSError(errno.EBADF, "stdout is closed")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        reader_left()
+    except OSError as e:
+        print(f"{command}: cannot write -: {printable(e.strerror or str(e))}", file=sys.stderr)
         return False
     return True
 

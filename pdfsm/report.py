@@ -30,7 +30,7 @@ from typing import Any, Final
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, LoadedLog, load_all, none_read, warn_unreadable, write_output, wrote
+from pdfsm.postmortem import WRITER_LIVE, Exit, LoadedLog, load_all, none_read, warn_unreadable, write_output, wrote
 from pdfsm.replay import (
     Visit,
     duration,
@@ -111,6 +111,8 @@ def _summary(logs: Sequence[LoadedLog]) -> Iterator[str]:
                    f"before reaching the file ({_e(g.reason)})</p>")
         if log.replay_note:
             yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(printable(log.replay_note))}</p>"
+        if log.writer_live:
+            yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(WRITER_LIVE)}</p>"
 
 
 # --- timeline --------------------------------------------------------------------------------------
@@ -217,8 +219,8 @@ def _legend(states: Iterable[str]) -> str:
 
 
 def _violations(logs: Sequence[LoadedLog]) -> Iterator[str]:
-    # Times from each log's first record, as on the timeline and in `pdfsm replay` (its clock's
-    # raw readings mean nothing to a reader; a helper's review found them here).
+    # Times from each log's earliest record, as on the timeline (its clock's raw readings mean
+    # nothing to a reader; a helper's review found them here).
     rows = [(log.name, r, r.event.t_ns - t0) for log in logs
             for t0 in [min((x.event.t_ns for x in log.records), default=0)]
             for r in log.records if r.fault is not None]
@@ -226,7 +228,7 @@ def _violations(logs: Sequence[LoadedLog]) -> Iterator[str]:
     yield f"<h2>Violations ({len(rows)})</h2>"
     if rows:
         offset = offsets(max(t for _, _, t in rows), pad=False)
-        yield ("<table><tr><th>log</th><th>seq</th><th>t (from the log's first record)</th><th>machine</th>"
+        yield ("<table><tr><th>log</th><th>seq</th><th>t (from the log's earliest record)</th><th>machine</th>"
                "<th>key</th><th>event</th><th>outcome</th><th>fault</th><th>reason</th></tr>")
         for name, r, t in rows:
             fault = r.fault.value if r.fault is not None else ""

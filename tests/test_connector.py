@@ -377,6 +377,9 @@ def test_an_error_of_load_or_request_finished_names_its_request() -> None:
     with pytest.raises(InvalidInput) as err:
         w.p[0].request_finished("p2", [])
     assert err.value.request_id == "p2" and err.value.field == "block_ids"
+    with pytest.raises(InvalidInput) as err:
+        w.p[0].request_finished("p3", [3], issued_wall_ns=0)
+    assert err.value.request_id == "p3" and err.value.field == "issued_wall_ns"
 
 
 def test_params_are_single_use() -> None:

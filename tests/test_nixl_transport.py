@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from transports.nixl import (
     NixlRankMetadataV1,
     NixlTransport,
     RegionInfo,
+    _make_agent,
     decode_rank_metadata,
     import_nixl,
     nixl_available,
@@ -829,8 +831,33 @@ def test_release_policy_is_refused_with_the_ucx_thread_pool() -> None:
     kv = zero_kv(1, 4, 256)
     with pytest.raises(ValueError, match="cancel_policy 'release' needs num_threads=0"):
         NixlTransport(name("r"), kv, cancel_policy="release", num_threads=4)
-    with pytest.raises(ValueError, match="num_threads must be 0 to 64, got -1"):
-        NixlTransport(name("r"), kv, num_threads=-1)
+    with pytest.raises(ValueError, match="cancel_policy 'release' needs num_threads=0 \\(got 2\\)"):
+        NixlTransport(name("r"), kv, cancel_policy="release", backend_params={"num_threads": "2"})
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="num_threads must be an int from 0 to 64"):
+            NixlTransport(name("r"), kv, num_threads=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"backend_params\['num_threads'\] must be a count"):
+        NixlTransport(name("r"), kv, backend_params={"num_threads": "four"})
+
+
+def test_the_pool_splits_at_its_own_thread_count_unless_told() -> None:
+    """NIXL's split_batch_size defaults to 1024 descriptors, which a coalesced read never has: the
+    transport sets it to the thread count; backend_params say otherwise; no pool, no split."""
+    made: list[dict[str, str]] = []
+
+    class Agent:
+        def create_backend(self, backend: str, init: dict[str, str]) -> None:
+            made.append(dict(init))
+
+    api = types.ModuleType("fake_nixl")  # what _make_agent uses of NIXL's Python API
+    setattr(api, "nixl_agent_config", lambda **kw: None)  # noqa: B010 - a module's attribute, typed Any
+    setattr(api, "nixl_agent", lambda name, conf: Agent())  # noqa: B010
+    _make_agent(api, "a", progress_thread=False, delay_us=None, backends=["UCX"], num_threads=4, params={})
+    _make_agent(api, "b", progress_thread=False, delay_us=None, backends=["UCX"], num_threads=4,
+                params={"split_batch_size": "64"})
+    _make_agent(api, "c", progress_thread=False, delay_us=None, backends=["UCX"], num_threads=0, params={})
+    assert made == [{"num_threads": "4", "split_batch_size": "4"}, {"num_threads": "4", "split_batch_size": "64"},
+                    {}]
 
 
 def test_cancel_release_policy(monkeypatch: pytest.MonkeyPatch) -> None:

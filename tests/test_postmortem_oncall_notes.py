@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,11 @@ def test_a_log_its_writer_still_holds_says_so(demo: Path, tmp_path: Path,
     try:
         code, out, _ = run_cli_captured(capsys, "replay", str(live), "--timelines", "0")
         assert code == 0
-        assert "note: a writer holds this log: it was still being written" in out
+        assert "note: a writer holds this log" in out and "may be in progress, not stuck" in out
+        page = tmp_path / "live.html"
+        assert run_cli("report", str(live), "-o", str(page)) == 0
+        assert "a writer holds this log" in page.read_text()
+        capsys.readouterr()  # report's "wrote" line
         code, out, _ = run_cli_captured(capsys, "replay", str(live), "--json")
         assert json.loads(out)["logs"][0]["writer_live"] is True
     finally:
@@ -72,22 +78,26 @@ def test_report_violation_times_run_from_the_logs_first_record(demo: Path, tmp_p
     assert run_cli("report", str(demo), "-o", str(page_path)) == 0
     page = page_path.read_text()
     table = page.split("<h2>Violations", 1)[1].split("</table>", 1)[0]
-    assert "t (from the log's first record)" in table
+    assert "t (from the log's earliest record)" in table
     times = re.findall(r'<td class="num">\d+</td><td class="num">([^<]*)</td>', table)
     assert times and all(re.fullmatch(r"\+\d+\.\d+ (ms|us|ns|s)", t) for t in times), times
     assert all(float(t[1:].split()[0]) < 60_000 for t in times)  # a demo of seconds, not the clock's epoch
 
 
-def test_json_names_a_request_in_none_of_the_logs_as_its_error(demo: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_says_whether_the_request_is_in_the_logs(demo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 and a stderr line, but nothing in the document told a script why: ``request.found``
+    does (``error`` keeps its meaning: a usage error before any log was read). A request whose
+    records ``--at`` cuts away is found all the same (exit 0)."""
     code, out, err = run_cli_captured(capsys, "replay", str(demo), "--json", "--request", "nope")
     doc = json.loads(out)
-    assert code == 2 and doc["exit_code"] == 2
-    assert doc["error"] == "request 'nope' is in none of the logs"
+    assert code == 2 and doc["exit_code"] == 2 and doc["request"]["found"] is False and doc["error"] is None
     assert doc["logs"] and all(log["status"] == "ok" for log in doc["logs"])
     assert "request 'nope' is in none of the logs" in err
     code, out, _ = run_cli_captured(capsys, "replay", str(demo), "--json", "--request", "req-3")
-    assert code == 0 and json.loads(out)["error"] is None
+    assert code == 0 and json.loads(out)["request"]["found"] is True
+    code, out, _ = run_cli_captured(capsys, "replay", str(demo), "--json", "--request", "req-3", "--at", "0")
+    doc = json.loads(out)
+    assert code == 0 and doc["request"]["found"] is True and not doc["request"]["entries"]
 
 
 def test_at_with_an_empty_log_name_is_a_usage_error(demo: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,3 +133,19 @@ def test_trace_and_report_write_to_stdout_with_dash(demo: Path, capfd: pytest.Ca
     assert run_cli("report", str(demo), "-o", "-") == 0
     out, err = capfd.readouterr()
     assert out.startswith("<!DOCTYPE html>") and out.rstrip().endswith("</html>") and "wrote -" in err
+
+
+def test_dash_output_to_a_stdout_that_cannot_take_it_is_said(demo: Path) -> None:
+    """``-o -`` with stdout a full disk: the one "cannot write" line and exit 2, as ``-o
+    /dev/stdout`` gives (it was a traceback); with stdout closed, the same (it claimed "wrote")."""
+    pdfsm = [sys.executable, "-m", "pdfsm.cli"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*pdfsm, "trace", str(demo), "-o", "-"], check=False, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2 and "pdfsm trace: cannot write -: No space left on device" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([*pdfsm, "report", str(demo), "-o", "-"], check=False, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=120, close_fds=True,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2 and "cannot write -: stdout is closed" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "wrote" not in done.stderr
