@@ -825,7 +825,7 @@ class Connector:
         was = core.remembered(target, rid)
         if live is not None or rid in self._queued[target]:
             raise InvalidInput("request_id", f"{rid!r} is already in use on this side "
-                                             f"({live.state if live is not None else 'queued'})")
+                                             f"({live.state if live is not None else 'accepted, not stepped yet'})")
         if was is not None:  # vLLM keeps an id across preemption: say why, and until when
             raise InvalidInput("request_id", f"{rid!r} finished here ({was}) and is remembered, so that late "
                                              "news of it is told from a new request's; use a new id (an id is "
@@ -1021,6 +1021,12 @@ class Connector:
                                failed=tuple(failed), aborted=frozenset(aborted), expired=frozenset(expired))
         self._invalid_unread |= invalid
         return sending, recving
+
+    def held(self) -> dict[str, tuple[int, ...]]:
+        """This worker's producer holds not released or expired yet: request id -> its blocks
+        (a copy; a hold leaves it as its ``finished_sending`` report is made). After
+        :meth:`shutdown`, the holds it left, whose blocks the scheduler frees itself."""
+        return dict(self._holds)
 
     @_one_caller
     def busy(self) -> bool:

@@ -566,3 +566,19 @@ def test_heartbeat_extends_the_producer_lease() -> None:
     assert w.d[0].heartbeat(params, 50_000) == 1
     sent, _ = w.run(steps=5)
     assert "p1" not in sent  # still held thanks to the heartbeat
+
+
+def test_held_says_the_holds_not_released_yet_and_those_shutdown_left() -> None:
+    """An embedder checking for leaks tracked holds itself: ``held()`` says them, a copy."""
+    w = World()
+    params = w.prefill("p1", [1, 2])
+    w.prefill("p2", [3])
+    assert w.p[0].held() == {"p1": (1, 2), "p2": (3,)}
+    w.d[0].load("d1", [5, 6], params)
+    sent, _ = w.run()
+    assert sent == {"p1": 1}
+    assert w.p[0].held() == {"p2": (3,)}
+    w.p[0].held().clear()  # a copy: the connector's books are its own
+    w.p[0].shutdown()
+    assert w.p[0].held() == {"p2": (3,)}  # shutdown reports no hold: the scheduler frees it
+
