@@ -495,6 +495,7 @@ def verify(log: LoadedLog, *, progress: Progress | None = None) -> LoadedLog:
     unrecorded: list[Record] = []
     try:
         replay(counted(records), unrecorded=unrecorded)
+        bar.update(len(records))  # the last count said is the whole (updates come every 4096)
         log.replayed = True
         if unrecorded:  # the writer stopped between an event and what it caused
             kinds = ", ".join(sorted({type(r.event).__name__ for r in unrecorded}))
@@ -1004,7 +1005,7 @@ def _write_stdout(text: str, command: str) -> bool:
     return True
 
 
-def wrote(path: str, line: str) -> None:
+def say_written(path: str, line: str) -> None:
     """The line saying what a command wrote: on stdout, unless the file itself went there (``-o -``)."""
     if path == "-":
         print(line, file=sys.stderr)

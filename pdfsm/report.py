@@ -30,7 +30,16 @@ from typing import Any, Final
 from pdfsm.diagram import TABLES, cell_summary, mermaid
 from pdfsm.fsm import Go, Ignore, Table
 from pdfsm.log import Record
-from pdfsm.postmortem import WRITER_LIVE, Exit, LoadedLog, load_all, none_read, warn_unreadable, write_output, wrote
+from pdfsm.postmortem import (
+    WRITER_LIVE,
+    Exit,
+    LoadedLog,
+    load_all,
+    none_read,
+    say_written,
+    warn_unreadable,
+    write_output,
+)
 from pdfsm.replay import (
     Visit,
     duration,
@@ -393,5 +402,6 @@ def report_command(args: argparse.Namespace) -> int:
         return code
     if not write_output(args.output, render_report(logs, rows=args.rows), "pdfsm report"):
         return Exit.USAGE
-    wrote(args.output, f"wrote {printable(args.output)}: {len(logs)} logs, self-contained (open it in any browser)")
+    say_written(args.output,
+                f"wrote {printable(args.output)}: {len(logs)} logs, self-contained (open it in any browser)")
     return code

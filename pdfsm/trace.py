@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, load_all, none_read, record_json, warn_unreadable, write_output, wrote
+from pdfsm.postmortem import Exit, load_all, none_read, record_json, say_written, warn_unreadable, write_output
 from pdfsm.replay import event_detail, machine_key, printable, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
@@ -122,6 +122,6 @@ def trace_command(args: argparse.Namespace) -> int:
     kinds: dict[str, int] = {}
     for e in doc["traceEvents"]:
         kinds[e["ph"]] = kinds.get(e["ph"], 0) + 1
-    wrote(args.output, f"wrote {printable(args.output)}: {len(logs)} logs, {kinds.get('X', 0)} state slices, "
-          f"{kinds.get('i', 0)} instants (open it in Perfetto, ui.perfetto.dev, or chrome://tracing)")
+    say_written(args.output, f"wrote {printable(args.output)}: {len(logs)} logs, {kinds.get('X', 0)} state slices, "
+                f"{kinds.get('i', 0)} instants (open it in Perfetto, ui.perfetto.dev, or chrome://tracing)")
     return code or Exit.OK
