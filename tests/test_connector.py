@@ -582,3 +582,23 @@ def test_held_says_the_holds_not_released_yet_and_those_shutdown_left() -> None:
     w.p[0].shutdown()
     assert w.p[0].held() == {"p2": (3,)}  # shutdown reports no hold: the scheduler frees it
 
+
+
+def test_a_sim_listener_whose_reply_raises_fails_the_handshake_at_once() -> None:
+    """An embedder's ``reply_for`` with a bug (a HandshakeReply missing a field) raised out of the
+    sim handshaker's progress(): the Connector logged it and polled again, every other pending
+    handshake waited too, and the request hung until the handshake timeout (60 s by default).
+    Now it is an error answer, as the side channel gives: the handshake fails and the request
+    is reported failed with the error named."""
+    w = World()
+    params = w.prefill("p1", [1, 2])
+
+    def broken(pp: int) -> object:
+        raise TypeError("Missing required argument 'compat_hash'")
+
+    w.net.serve("127.0.0.1", 9, broken)  # type: ignore[arg-type]
+    w.d[0].load("d1", [5, 6], params)
+    _, recv = w.run(steps=4)
+    assert recv == {"d1": 1}
+    (failed,) = w.failed
+    assert failed.request_id == "d1" and "reply_for raised TypeError" in failed.reason, failed

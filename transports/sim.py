@@ -362,8 +362,16 @@ class SimHandshaker:
                 self._submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=t, engine_id=eid, pp_rank=pp,
                                              attempt=attempt, error=f"connection refused by {cmd.host}:{cmd.port}"))
             else:
+                try:
+                    reply = reply_for(cmd.pp_rank)
+                except Exception as exc:  # noqa: BLE001 - the listener's code: an error answer, as the side channel's
+                    # (raising out of progress() kept every pending handshake waiting for its timeout)
+                    why = f"reply_for raised {type(exc).__name__}: {exc}"
+                    self._submit(HandshakeFailed(source=Source.HANDSHAKE, t_ns=t, engine_id=eid, pp_rank=pp,
+                                                 attempt=attempt, error=why))
+                    continue
                 self._submit(HandshakeDone(source=Source.HANDSHAKE, t_ns=t, engine_id=eid, pp_rank=pp,
-                                           attempt=attempt, reply=reply_for(cmd.pp_rank)))
+                                           attempt=attempt, reply=reply))
         self.pending = keep
 
     def close(self) -> None:
