@@ -645,16 +645,28 @@ def send_owed(e: RemoteEngine, core: Core, t_ns: int, replaced: set[int]) -> Non
         # A stage connecting before the minting stage passes its notices on to that stage's verdict;
         # the minting stage connecting now (not CONNECTED yet) is the verdict, judged below.
         if minting is not None and minting != e.pp_rank:
-            m = core.engines.get((req.engine_id, minting))
-            if (m is not None and (m.state is HANDSHAKING or m.state is CONNECTING)
-                    and len(m.notices) < core.config.max_staged):
-                m.notices.append((req, trust, cmd))
+            _owe(core.engines.get((req.engine_id, minting)), req, trust, cmd, core)
             continue
+        if cmd.pp_rank != e.pp_rank and cmd.pp_rank not in replaced:
+            # The minting stage vouched for the params; a notice it held for another stage still
+            # handshaking waits for that stage's own reply, which alone shows whether a process
+            # restarted there since (it never held the request: found by a helper's hunt).
+            target = core.engines.get((req.engine_id, cmd.pp_rank))
+            if target is not None and (target.state is HANDSHAKING or target.state is CONNECTING):
+                _owe(target, req, trust, cmd, core)
+                continue
         # The stage itself, and every other stage already connected (one may be the minting stage
         # and show the params are of a process since replaced), as for a notice sent now.
         if (now < trust and _contradiction(e, req, e.pp_rank, skew) is None
                 and all(pp in replaced for pp, _ in contradictions(req, core))):
             core.emit(cmd)
+
+
+def _owe(e: RemoteEngine | None, req: ReadRequested, trust: int, cmd: SendNotification, core: Core) -> None:
+    """Owe ``cmd`` to ``e``'s handshake (send_owed judges it once ``e`` connects), while it runs
+    and has room; otherwise it is told nothing, and the hold ends at its lease."""
+    if e is not None and (e.state is HANDSHAKING or e.state is CONNECTING) and len(e.notices) < core.config.max_staged:
+        e.notices.append((req, trust, cmd))
 
 
 def _notify_only_now(m: ConsumerRequest, ev: ReadRequested, core: Core) -> None:

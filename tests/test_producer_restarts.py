@@ -431,6 +431,37 @@ def test_a_sibling_stage_connected_first_is_told_only_once_the_minting_stage_vou
     assert sorted(told) == ([] if stale else [(0, 0, "p-r"), (0, 1, "p-r"), (1, 0, "p-r"), (1, 1, "p-r")])
 
 
+@pytest.mark.parametrize("restarted", [True, False])
+@pytest.mark.parametrize("how", ["abort", "deadline"])
+def test_the_minting_stage_vouching_leaves_a_handshaking_stage_to_its_own_reply(how: str, restarted: bool) -> None:
+    """PP 2, params minted by stage 0; both stages handshake and the request stops first. Stage 0
+    connects and vouches for the params; stage 1 still handshakes, and a new process may have
+    replaced it there since the params were issued (its rank started 20 s after). Its notices wait
+    for its own reply, which judges them: the new process is told nothing, the same one is told.
+    Before (found by a helper's hunt over PP restarts): stage 0's verdict sent them at once, and the
+    new stage-1 process staged a notice of a hold it never had."""
+    issued = 1_000_000_000_000_000
+    core = make_core(read_timeout_ns=1_000_000, handshake_timeout_ns=10**9)
+    core.apply(read("r", remote_pp=2, remote_tp=2, incarnation="new-0", incarnation_pp=0, lease_ns=LEASE,
+                    issued_wall_ns=issued))
+    core.take_commands()
+    core.apply(ev(AbortRequested, 20, request_id="r") if how == "abort" else ev(Tick, 2_000_000))
+    cmds = core.take_commands() + collect(core, 3_000_000)
+    assert notes(cmds) == []
+
+    def connect(pp: int, started: int, t: int) -> list[tuple[int, int, str]]:
+        ranks = tuple(RankInfo(pp_rank=pp, tp_rank=tp, agent=f"P-{pp}-{tp}", incarnation=f"new-{pp}",
+                               started_wall_ns=started) for tp in range(2))
+        core.apply(ev(HandshakeDone, t, engine_id="P", pp_rank=pp, attempt=1,
+                      reply=reply("P", tp_size=2, pp_size=2, ranks=ranks)))
+        core.apply(ev(PeerAdded, t, engine_id="P", pp_rank=pp, attempt=1))
+        return notes(core.take_commands())
+
+    assert sorted(connect(0, issued - RESTART_NS, 3_000_010)) == [(0, 0, "p-r"), (0, 1, "p-r")]
+    told = connect(1, issued + RESTART_NS if restarted else issued - RESTART_NS, 3_000_020)
+    assert sorted(told) == ([] if restarted else [(1, 0, "p-r"), (1, 1, "p-r")])
+
+
 def test_params_against_an_idle_stale_reply_fail_at_once_while_a_sibling_stage_pauses() -> None:
     """PP 2: stage 1's handshake failed moments ago (its retry pause runs), stage 0 is connected
     and idle and the params contradict its reply. The request fails at once (stage 1 cannot be
