@@ -168,6 +168,16 @@ def every_promise_released(w: World) -> None:
             w.fail(f"{key[0]} still holds the blocks of {key[1]}")
 
 
+def notices_reach_only_their_holders(w: World) -> None:
+    """At rest, every notification that reached a producer rank's live process names a hold that
+    process registered: a process that replaced a restarted rank never held its predecessor's
+    (it stages the notice of a hold it never had; a helper's hunt found PP stage 1 told so)."""
+    live = {w._incarnation(pp, tp) for pp, tp in w.started}
+    for process, rid in sorted(w.reached - w.held_by):
+        if process in live:
+            w.fail(f"{process} was told of {rid}, a hold it never had (its rank restarted since the params)")
+
+
 def nothing_left_running(w: World) -> None:
     """At rest no read is in flight and every request machine is terminal."""
     if w.reads:
@@ -284,7 +294,8 @@ STEP_INVARIANTS: list[Callable[[World], None]] = [
     pp_only_where_supported, no_local_violation,
 ]
 END_INVARIANTS: list[Callable[[World], None]] = [every_request_reported, every_promise_released,
-                                                 nothing_left_running, stopped_requests_told_every_rank]
+                                                 nothing_left_running, stopped_requests_told_every_rank,
+                                                 notices_reach_only_their_holders]
 EXTRA_INVARIANTS: list[Callable[[World], None]] = [effects_not_stamped_before_their_cause]
 """Step invariants the searches do not check by default (pass them as ``invariants``): each scans
 every record after every step, so it costs more than the others."""

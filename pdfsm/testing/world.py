@@ -341,6 +341,9 @@ class World:
         self.tell_by: dict[tuple[int, str], int] = {}
         self.stopped_at: dict[tuple[int, str], int] = {}
         self.told: set[tuple[int, str, int, int]] = set()  # (rank, producer rid, pp, tp): a notice sent or tried
+        # (producer process, producer rid): a hold it registered; a notification that reached it
+        self.held_by: set[tuple[str, str]] = set()
+        self.reached: set[tuple[str, str]] = set()
         self.handshake_faults = 0  # handshake answers other than a plain "ok"
         self.notifications: list[Notification] = []
         self.peers: dict[tuple[int, str, int], dict[int, str]] = {}  # (rank, engine, pp) -> tp -> agent
@@ -618,12 +621,18 @@ class World:
         """A producer rank's process, as its transport names it: another after each restart."""
         return f"P{pp}.{tp}@{self.started[(pp, tp)]}"
 
+    def _process(self, name: str) -> str:
+        """The process a producer rank's core (``P{pp}.{tp}``) runs as now."""
+        pp, tp = (int(x) for x in name[1:].split("."))
+        return self._incarnation(pp, tp)
+
     def _issued(self, i: int) -> int:
         """The params' issued_wall_ns (0: wall clocks not modelled)."""
         return (WALL0 + self.finished_at[i]) * UNIT_NS if self.walls else 0
 
     def _register(self, source: str, target: str, agent: str, ev: BlocksHeld) -> None:
         self.registered[(agent, ev.request_id)] = self.now
+        self.held_by.add((self._process(target), ev.request_id))
         self._deliver_source(source, target, ev)
 
     def _p_blocks(self, i: int) -> tuple[int, ...]:
@@ -906,7 +915,8 @@ class World:
 
     def _send(self, name: str, engine: str, pp: int, tp: int, note: Notification) -> None:
         self.told.add((int(name[1:]), note.request_id, pp, tp))
-        agent = self.peers.get((int(name[1:]), engine, pp), {}).get(tp, self.agent(engine, pp, tp))
+        # No peer (a stage never connected, or dropped): unreachable, as every transport says.
+        agent = self.peers.get((int(name[1:]), engine, pp), {}).get(tp, "")
         if self.disconnected or not agent.startswith("P") or (int(name[1:]), engine, pp) in self.dead:
             self.apply(name, self._ev(SendFailed, engine_id=engine, pp_rank=pp, tp_rank=tp,
                                       request_id=note.request_id, error="peer unreachable"))
@@ -921,6 +931,7 @@ class World:
             return
         ev = self._ev(NotificationReceived, request_id=note.request_id, part=note.part, of=note.of, sender=sender,
                       issued_wall_ns=note.issued_wall_ns, consumer=note.consumer)
+        self.reached.add((self._process(target), note.request_id))
         parts = self.delivered.setdefault((target, note.request_id), set())
         parts.add((note.part, note.of))
         self.apply(target, ev)
