@@ -240,7 +240,9 @@ def _stalled_and_held(m: RemoteEngine, ev: EvictRequested, core: Core) -> bool:
 
 
 def _start(m: RemoteEngine, ev: EngineWanted, core: Core) -> None:
-    pay_drop(m, core)  # handshaken again while a reader of the lost connection still stops: a clean slate
+    # Handshaken again while a reader of the lost connection still reads or stops: a clean slate;
+    # its reads end over the transport's drain (transports.md, the drop rule).
+    pay_drop(m, core)
     m.evict_owed = m.stalled = False  # a new connection: what was owed by, or seen of, the old one is moot
     if not m.attempt:
         # A fresh machine for a key seen before (forgotten since) numbers its attempts above every
@@ -437,8 +439,8 @@ def _lost(m: RemoteEngine, ev: PeerDisconnected | EvictRequested, core: Core) ->
 
 
 def _lost_stalled(m: RemoteEngine, ev: EvictRequested, core: Core) -> None:
-    """Taken as lost while held: the reads still running over it are cancelled first, so the drop
-    the next handshake pays falls under cancelled reads only (transports.md's contract)."""
+    """Taken as lost while held: the reads still running over it are cancelled first (a stalled
+    read nobody cancelled would go on writing blocks nobody watches once its request is told)."""
     core.cancel_reads_over(m)
     _lost(m, ev, core)
 

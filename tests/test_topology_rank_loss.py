@@ -52,6 +52,37 @@ class World(RankedEngines):
 # --- one producer TP rank lost while its siblings are alive -----------------------------------------
 
 
+def test_a_stage_handshaken_again_under_a_live_ranks_read_lets_that_read_finish() -> None:
+    """Decode TP 1 reads prefill TP 2. Prefill rank 0 dies while request B reads it: the stage's
+    connection is lost (B fails). Request A had read rank 0 already and still reads the live rank
+    1. A new request C then wants the stage: it is handshaken again, and the peer is dropped while
+    A's read runs, uncancelled (a helper's hunt saw it; transports.md, the drop rule: a read over
+    a dropped peer ends as it would have). A is received with the right bytes, C reads the
+    revived rank, B's blocks are invalid."""
+    w = World(p_tp=2, d_tp=1)
+    d, dt = w.d[(0, 0)], w.dt[(0, 0)]
+    pa, pb, pc = w.hold("pa", [1]), w.hold("pb", [2]), w.hold("pc", [3])
+    w.net.script("ca", 0, 1, ReadScript(polls=30))  # A's read from the live rank: slow
+    w.net.script("cb", 0, 0, ReadScript(polls=12))  # B's read from rank 0: in flight when it dies
+    d.load("ca", [10], pa)
+    d.load("cb", [11], pb)
+    w.run(5)
+    assert sorted(dt.reads) == [("ca", 0, 1), ("cb", 0, 0)]
+    w.net.kill("P0.0")
+    w.run(3)
+    assert d.core.engines[("P", 0)].state.name == "DISCONNECTED" and d.core.consumers["ca"].state.name == "READING"
+    w.net.revive("P0.0")
+    d.load("cc", [12], pc)
+    w.run(40)
+    assert sorted(w.recv[(0, 0)]) == ["ca", "cb", "cc"] and set(w.failed[(0, 0)]) == {"cb"}
+    assert w.failed[(0, 0)]["cb"] == {11}
+    half = dt.block_bytes // 2
+    for local, remote in ((10, 1), (12, 3)):
+        got = dt.block(local)
+        assert got[:half] == w.pt[(0, 0)].block(remote) and got[half:] == w.pt[(0, 1)].block(remote)
+    assert not dt.reads
+
+
 def test_decode_tp1_prefill_tp2_one_prefill_rank_lost_mid_read_the_live_rank_is_still_told() -> None:
     """Decode TP 1 reads prefill TP 2 (non-MLA: both ranks, each into its half of every block).
     Prefill rank 1's agent goes away mid-read (a NIC/UCX endpoint error or a crashed worker); its
