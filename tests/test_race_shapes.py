@@ -228,6 +228,21 @@ def test_a_producer_restarted_while_idle_is_handshaken_again_under_every_interle
     assert ("consumer", "NEW", "ReadRequested", "-> HANDSHAKING (handshake again) when stale reply") in hits
 
 
+def test_a_pp_stage_restarted_mid_handshake_is_never_told_of_its_predecessors_hold() -> None:
+    """PP 2 with rank-restart and the adapter's PeerAdded a step of its own: a stage restarts while
+    the consumer handshakes both, the request is aborted, the minting stage (0) connects while
+    stage 1 is still connecting. The end invariant that no notification reaches a process that
+    never held its request found the notice stage 0's verdict sent to the new stage-1 process in
+    6 chosen steps (1.5 to 9 s) before consumer.send_owed left it to stage 1's own reply; the same
+    searches run clean now, and so does the told-every-rank invariant, which excuses a stage whose
+    notice waits for a minting stage not connected by the lease's bound."""
+    for tp in (1, 2):
+        scenario = Scenario(requests=1, producer_pp=2, producer_tp=tp, faults=frozenset({"rank-restart", "abort"}),
+                            add_peer_async=True, max_steps=40)
+        found = hunt(scenario, max_examples=300)
+        assert not found.found, found.message
+
+
 # --- clean searches: shapes the default scenarios do not cover ------------------------------------
 
 # Each ran clean at 1500 examples with random seeds too, and reaches no table cell the default

@@ -235,9 +235,16 @@ def stopped_requests_told_every_rank(w: World) -> None:
             continue
         plan = w.consumers[rank].plan(w.s.producer_tp, w.s.producer_pp)
         ranks = [(s.pp_rank, s.tp_rank) for s in plan.sources] + list(plan.notify_only)
+        # PP params that say their minting stage (0, with wall clocks) tell another stage only once
+        # that stage vouched: not connected by the bound, it leaves them to the lease (decisions.md,
+        # "Params name the producer process that minted them"; a focused search found this excuse
+        # missing).
+        vouched = (i not in w.minted_by or 0 not in {s.pp_rank for s in plan.sources}
+                   or _connected_between(records[f"D{rank}"], 0, at, by))
         untold = [(pp, tp) for pp, tp in ranks if (rank, w.prid(i), pp, tp) not in w.told
                   and failed.get((rank, pp), by + 1) > by
-                  and _connected_between(records[f"D{rank}"], pp, at, by)]
+                  and _connected_between(records[f"D{rank}"], pp, at, by)
+                  and (pp == 0 or vouched)]
         if untold:
             w.fail(f"D{rank} stopped {rid} at {at} ns, before its producer's lease ran out, and never told "
                    f"producer ranks {untold}: they hold its blocks a whole lease")
