@@ -795,8 +795,8 @@ class Connector:
                 if first != ev.request_id:
                     raise InvalidInput(f"reqs_to_recv[{ev.request_id!r}]", f"loads into local block {b}, "
                                        f"which {first!r} loads into too", request_id=ev.request_id)
-        for held in holds:  # a load of this step into a block held in it (the checks above see earlier ones)
-            block = next((b for b in held.block_ids if b in writers), None) if writers else None
+        for held in holds if writers else ():  # a load of this step into a block held in it (the checks
+            block = next((b for b in held.block_ids if b in writers), None)  # above see earlier ones)
             if block is not None:
                 raise InvalidInput(f"reqs_to_send[{held.request_id!r}].block_ids", f"holds local block {block}, "
                                    f"which {writers[block]!r} loads into in the same step", request_id=held.request_id)

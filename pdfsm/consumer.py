@@ -583,19 +583,19 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
         e = core.engines.get((eid, pp if minting is None else minting))
         handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
         trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core, m.promised)
-        if minting is not None and not handshaking:
-            continue  # no verdict to come: the hold ends at its lease
-        if e is not None and handshaking and trust is not None and len(e.notices) < core.config.max_staged:
+        if handshaking:
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269); so would
             # one whose stage lost a rank and is handshaken again for a newer request before this
             # one's last read stopped (the old peer is dropped then: found by a helper's hunt).
-            e.notices.append((req, trust, cmd))
-        elif not connected_only and not handshaking:
+            if trust is not None:
+                _owe(e, req, trust, cmd, core)
+        elif minting is None and not connected_only:
             core.emit(cmd)  # a stage lost and not handshaken again: the transport says why it cannot go
-        # A stage handshaking that cannot be owed this notice (no lease to bound it, params a stage
-        # alone cannot check, or its list full) is told nothing: a process connecting there may be
-        # one that never held it (found by a helper's hunt); the hold ends at its lease.
+        # Otherwise told nothing, the hold ending at its lease: a minting stage not handshaking gives
+        # no verdict to come; a stage handshaking that cannot be owed this notice (no lease to bound
+        # it, params a stage alone cannot check, or its list full) may connect to a process that
+        # never held it (found by a helper's hunt).
 
 
 def awaits_minting_stage(req: ReadRequested, pp: int, core: Core) -> int | None:

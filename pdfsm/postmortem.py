@@ -88,6 +88,7 @@ __all__ = [
     "record_json",
     "reader_left",
     "replay_command",
+    "key_json",
     "say",
     "to_json",
     "verify",
@@ -641,7 +642,7 @@ def _raw_details(log: LoadedLog) -> Iterator[str]:
     if log.replay_note:
         yield f"  note: {log.replay_note}"
     if log.writer_live:  # found by a helper's review: it read as a finished log with stuck requests
-        yield (f"  note: {WRITER_LIVE}")
+        yield f"  note: {WRITER_LIVE}"
     if log.error:
         lines = log.error.splitlines()
         yield f"  error: {lines[0]}"
@@ -665,7 +666,7 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
         done = "replayed in part, no divergence" if log.replayed else "not replayed"
         headline = headline.replace("replayed, no divergence", done)
     elif not log.records:  # a header and nothing else: nothing was replayed
-        headline = headline.replace("replayed, no divergence", "no records to replay")
+        headline = headline.replace("replayed, no divergence", "nothing replayed")
     title = f"{log.name}: {headline}"
     if summary is None or brief:
         n, last = len(log.records), log.records[-1].seq if log.records else -1
@@ -675,7 +676,7 @@ def _log_text(log: LoadedLog, summary: Summary | None, *, timelines: int, limit:
         yield from _details(log)
         return
     lines = list(render(summary, title=title, timelines=timelines, limit=limit))
-    yield lines[0] if log.records else title  # the headline says "no records to replay" already
+    yield lines[0]
     yield from _details(log)
     yield from lines[1:]
 
@@ -704,7 +705,8 @@ def _follow_text(f: Followed) -> Iterator[str]:
 # --- JSON ----------------------------------------------------------------------------------------------
 
 
-def _key_json(key: Any) -> Any:
+def key_json(key: Any) -> Any:
+    """A machine key as JSON writes it: a request's id, an engine's ``[engine_id, pp_rank]``."""
     return list(key) if isinstance(key, tuple) else key
 
 
@@ -712,7 +714,7 @@ def record_json(rec: Record, log: str | None = None) -> dict[str, Any]:
     """One record as the JSON document writes it (docs/replay-json.md, "record")."""
     out: dict[str, Any] = {} if log is None else {"log": log}
     out.update(seq=rec.seq, t_ns=rec.event.t_ns, source=rec.event.source, machine=rec.machine,
-               key=_key_json(machine_key(rec)), event=type(rec.event).__name__, before=rec.before,
+               key=key_json(machine_key(rec)), event=type(rec.event).__name__, before=rec.before,
                state=rec.state, outcome=rec.outcome.name.lower(), reason=rec.reason,
                fault=None if rec.fault is None else rec.fault.value, cause=rec.cause,
                detail=event_detail(rec.event))
@@ -731,7 +733,7 @@ def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) 
     machines = None
     if at is not None:
         since = {(v.machine, v.key): v.start_seq for v in visits(log.records, at=summary.last_seq)}
-        machines = [{"machine": m, "key": _key_json(k), "state": s, "since_seq": since.get((m, k))}
+        machines = [{"machine": m, "key": key_json(k), "state": s, "since_seq": since.get((m, k))}
                     for (m, k), s in summary.states.items()]
     return {
         "name": log.name,
@@ -760,8 +762,8 @@ def _log_json(log: LoadedLog, summary: Summary, at: int | None, timelines: int) 
         "machines": machines,
         "violations": [record_json(v) for v in summary.violations],
         "violations_by_fault": {"local": summary.by_fault()["local"], "remote": summary.by_fault()["remote"]},
-        "stuck": [{"machine": m, "key": _key_json(k), "state": s} for m, k, s in summary.stuck],
-        "timelines": [{"machine": m, "key": _key_json(k), "steps": [_step_json(s) for s in steps]}
+        "stuck": [{"machine": m, "key": key_json(k), "state": s} for m, k, s in summary.stuck],
+        "timelines": [{"machine": m, "key": key_json(k), "steps": [_step_json(s) for s in steps]}
                       for (m, k), steps in shown],
     }
 

@@ -139,10 +139,15 @@ class _Row:
     flagged: bool
 
 
+def _t0(log: LoadedLog) -> int:
+    """Where a log's times start on the page: its earliest record (each host's clock its own)."""
+    return min((r.event.t_ns for r in log.records), default=0)
+
+
 def _rows(logs: Sequence[LoadedLog]) -> list[_Row]:
     out: list[_Row] = []
     for log in logs:
-        t0 = min((r.event.t_ns for r in log.records), default=0)
+        t0 = _t0(log)
         end = max((r.event.t_ns for r in log.records), default=0)
         rows: dict[tuple[str, Any], _Row] = {}
         for v in visits(log.records):
@@ -230,9 +235,10 @@ def _legend(states: Iterable[str]) -> str:
 def _violations(logs: Sequence[LoadedLog]) -> Iterator[str]:
     # Times from each log's earliest record, as on the timeline (its clock's raw readings mean
     # nothing to a reader; a helper's review found them here).
-    rows = [(log.name, r, r.event.t_ns - t0) for log in logs
-            for t0 in [min((x.event.t_ns for x in log.records), default=0)]
-            for r in log.records if r.fault is not None]
+    rows: list[tuple[str, Record, int]] = []
+    for log in logs:
+        t0 = _t0(log)
+        rows += [(log.name, r, r.event.t_ns - t0) for r in log.records if r.fault is not None]
     stuck = [(log.name, m, k, s) for log in logs for m, k, s in summarize(log.records, timelines=False).stuck]
     yield f"<h2>Violations ({len(rows)})</h2>"
     if rows:

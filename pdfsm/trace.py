@@ -26,7 +26,16 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from pdfsm.log import Record
-from pdfsm.postmortem import Exit, load_all, none_read, record_json, say_written, warn_unreadable, write_output
+from pdfsm.postmortem import (
+    Exit,
+    key_json,
+    load_all,
+    none_read,
+    record_json,
+    say_written,
+    warn_unreadable,
+    write_output,
+)
 from pdfsm.replay import event_detail, machine_key, printable, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
@@ -41,11 +50,6 @@ def _us(t_ns: int) -> float:
 
 def _name(key: Any) -> str:
     return key if isinstance(key, str) else repr(key)
-
-
-def _arg(key: Any) -> Any:
-    """A machine key in an event's args as ``pdfsm replay --json`` writes it (an engine's as a list)."""
-    return list(key) if isinstance(key, tuple) else key
 
 
 def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) -> list[dict[str, Any]]:
@@ -75,7 +79,7 @@ def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) ->
             tid = thread(sources, src, src, 0)
             body.append({"ph": "i", "s": "t", "name": type(rec.event).__name__, "cat": "event",
                          "ts": _us(rec.event.t_ns), "pid": pid, "tid": tid,
-                         "args": {"seq": rec.seq, "machine": rec.machine, "key": _arg(machine_key(rec)),
+                         "args": {"seq": rec.seq, "machine": rec.machine, "key": key_json(machine_key(rec)),
                                   "before": rec.before, "state": rec.state, "outcome": rec.outcome.name.lower(),
                                   "reason": rec.reason, "detail": event_detail(rec.event)}})
     end = max((r.event.t_ns for r in records), default=0)
@@ -85,7 +89,7 @@ def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) ->
         stop = v.start_t_ns if v.terminal else (end if v.end_t_ns is None else v.end_t_ns)
         body.append({"ph": "X", "name": v.state, "cat": v.machine, "ts": _us(v.start_t_ns),
                      "dur": max(0, stop - v.start_t_ns) / 1000, "pid": pid, "tid": tid,
-                     "args": {"key": _arg(v.key), "from_seq": v.start_seq, "to_seq": v.end_seq,
+                     "args": {"key": key_json(v.key), "from_seq": v.start_seq, "to_seq": v.end_seq,
                               "entered_by": v.entered_by, "left_by": v.left_by or None, "open": still}})
     for rec in records:
         if rec.fault is None:

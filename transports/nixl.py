@@ -324,11 +324,10 @@ class NixlTransport:
             raise ValueError(f"cancel_policy must be 'wait' or 'release', got {cancel_policy!r}")
         if type(num_threads) is not int or not 0 <= num_threads <= 64:
             raise ValueError(f"num_threads must be an int from 0 to 64, got {num_threads!r}")
-        said = (backend_params or {}).get("num_threads")  # the pool asked for that way counts too
-        pool = num_threads if said is None else int(said) if str(said).isdigit() else -1
-        if pool < 0:
-            raise ValueError(f"backend_params['num_threads'] must be a count, got {said!r}")
-        if cancel_policy == "release" and pool > 0:
+        pool = str((backend_params or {}).get("num_threads", num_threads))  # asked for that way, it counts too
+        if not pool.isdigit():
+            raise ValueError(f"backend_params['num_threads'] must be a count, got {pool!r}")
+        if cancel_policy == "release" and int(pool) > 0:
             # NIXL's composite handle (UCX thread pool) only marks itself released; the chunks
             # its threads posted keep writing into our blocks (ucx_backend.cpp, NIXL 1.4-1.5).
             raise ValueError(f"cancel_policy 'release' needs num_threads=0 (got {pool}): NIXL releases "

@@ -172,7 +172,7 @@ def notices_reach_only_their_holders(w: World) -> None:
     """At rest, every notification that reached a producer rank's live process names a hold that
     process registered: a process that replaced a restarted rank never held its predecessor's
     (it stages the notice of a hold it never had; a helper's hunt found PP stage 1 told so)."""
-    live = {w._incarnation(pp, tp) for pp, tp in w.started}
+    live = {w.incarnation(pp, tp) for pp, tp in w.started}
     for process, rid in sorted(w.reached - w.held_by):
         if process in live:
             w.fail(f"{process} was told of {rid}, a hold it never had (its rank restarted since the params)")

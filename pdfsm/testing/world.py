@@ -550,8 +550,7 @@ class World:
     def core(self, name: str) -> Core:
         if name.startswith("D"):
             return self.consumers[int(name[1:])]
-        pp, tp = name[1:].split(".")
-        return self.producers[(int(pp), int(tp))]
+        return self.producers[_stage_rank(name)]
 
     def apply(self, name: str, ev: Event) -> None:
         core = self.core(name)
@@ -599,7 +598,7 @@ class World:
             self._push(f"prefill-worker {agent}", ("register", (f"P{pp}.{tp}", agent, i, ev)))
         self.lease_seen[i] = self.finished_at[i] = self.now
         if self.walls:  # the router gets the params of stage 0's rank 0
-            self.minted_by[i] = self._incarnation(0, 0)
+            self.minted_by[i] = self.incarnation(0, 0)
         for rank in range(s.consumer_tp):
             self._push(f"decode-scheduler D{rank}", ("read-request", (rank, i)))
 
@@ -617,14 +616,13 @@ class World:
         self.tell_by[(rank, ev.request_id)] = (self.lease_seen[i] + s.lease_ns - s.lease_margin_ns) * UNIT_NS
         self._deliver_source(source, f"D{rank}", ev)
 
-    def _incarnation(self, pp: int, tp: int) -> str:
+    def incarnation(self, pp: int, tp: int) -> str:
         """A producer rank's process, as its transport names it: another after each restart."""
         return f"P{pp}.{tp}@{self.started[(pp, tp)]}"
 
     def _process(self, name: str) -> str:
         """The process a producer rank's core (``P{pp}.{tp}``) runs as now."""
-        pp, tp = (int(x) for x in name[1:].split("."))
-        return self._incarnation(pp, tp)
+        return self.incarnation(*_stage_rank(name))
 
     def _issued(self, i: int) -> int:
         """The params' issued_wall_ns (0: wall clocks not modelled)."""
@@ -803,7 +801,7 @@ class World:
             said = self.walls and "no-start-times" not in self.variant.quirks
             ranks = tuple(RankInfo(pp_rank=cmd.pp_rank, tp_rank=t, agent=self.agent(engine, cmd.pp_rank, t),
                                    started_wall_ns=(WALL0 + self.started[(cmd.pp_rank, t)]) * UNIT_NS if said else 0,
-                                   incarnation=self._incarnation(cmd.pp_rank, t) if self.walls else "")
+                                   incarnation=self.incarnation(cmd.pp_rank, t) if self.walls else "")
                           for t in range(self.s.producer_tp))
             reply = HandshakeReply(engine_id=engine, compat_hash=COMPAT, tp_size=self.s.producer_tp,
                                    pp_size=self.s.producer_pp, block_size=16, mla=self.s.mla, ranks=ranks,
@@ -939,8 +937,7 @@ class World:
             self.apply(target, ev)
 
     def _freed(self, name: str, cmd: FinishedSending) -> None:
-        pp, tp = (int(x) for x in name[1:].split("."))
-        agent = self.agent("P", pp, tp)
+        agent = self.agent("P", *_stage_rank(name))
         parts = self.delivered.get((name, cmd.request_id), set())
         in_time = self.registered.get((agent, cmd.request_id), 0) < self.lease_from.get((agent, cmd.request_id), 0) \
             + self.s.lease_ns  # registered after its lease ended: expiring at once is right
@@ -1009,3 +1006,9 @@ class World:
     def rejections(self, fault: Fault) -> int:
         """Illegal events (rejected, not handled) blamed on ``fault``, over every core."""
         return sum(c.rejections[fault] for c in self._cores())
+
+
+def _stage_rank(name: str) -> tuple[int, int]:
+    """(pp, tp) of a producer rank's core name, ``P{pp}.{tp}``."""
+    pp, tp = name[1:].split(".")
+    return int(pp), int(tp)
