@@ -1005,11 +1005,16 @@ class Connector:
         failed: list[HandOff] = []
         invalid: set[int] = set()
         for cmd in out:
+            # A report frees its blocks (for load's checks, and held()) as it is handed out, not as
+            # the step queued it: the scheduler frees them only once it sees it (a helper's hunt).
             if isinstance(cmd, FinishedSending):
+                self._unhold(cmd.request_id)
                 sending.add(cmd.request_id)
                 if cmd.expired:
                     expired.add(cmd.request_id)
             elif isinstance(cmd, HandOff):
+                for block in self._writes.pop(cmd.request_id, ()):
+                    del self._writing[block]
                 recving.add(cmd.request_id)
                 invalid.update(cmd.invalid_blocks)
                 if cmd.outcome == "failed":
@@ -1024,7 +1029,7 @@ class Connector:
 
     def held(self) -> dict[str, tuple[int, ...]]:
         """This worker's producer holds not released or expired yet: request id -> its blocks
-        (a copy; a hold leaves it as its ``finished_sending`` report is made). After
+        (a copy; a hold leaves it as :meth:`get_finished` reports it finished sending). After
         :meth:`shutdown`, the holds it left, whose blocks the scheduler frees itself."""
         return dict(self._holds)
 
@@ -1127,12 +1132,7 @@ class Connector:
                                             pp_rank=src.pp_rank, tp_rank=src.tp_rank, why=HandleFailure.SETUP,
                                             detail=f"{type(exc).__name__}: {exc}"))
                 elif isinstance(cmd, (HandOff, FinishedSending)):
-                    self._out.append(cmd)
-                    if isinstance(cmd, HandOff):
-                        for block in self._writes.pop(cmd.request_id, ()):
-                            del self._writing[block]
-                    else:
-                        self._unhold(cmd.request_id)
+                    self._out.append(cmd)  # its blocks stay guarded until get_finished hands it out
                 elif isinstance(cmd, SendNotification):
                     self._send(cmd.engine_id, cmd.pp_rank, cmd.tp_rank, cmd.notification)
                 elif isinstance(cmd, CancelRead):

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import SimPair
 from test_connector import World
 
 from pdfsm.connector import Connector
@@ -312,3 +313,43 @@ def test_start_load_kv_takes_the_arrival_of_queued_params() -> None:
     with pytest.raises(InvalidInput) as err:  # a start for a request the step does not load
         w.d[0].start_load_kv(ConnectorMetadata(lease_ages={"ghost": 0}))
     assert err.value.field == "lease_ages"
+
+
+# --- blocks stay guarded until their report is handed out ------------------------------------------
+
+
+def test_a_released_hold_guards_its_blocks_until_get_finished_reports_it() -> None:
+    """A hold the consumer's notice released inside a step (``start_load_kv`` steps too) used to
+    leave ``held()`` and free its blocks for ``load`` before ``get_finished`` reported it finished
+    sending: the scheduler still owned them (a helper's hunt over random API sequences)."""
+    w = SimPair()
+    w.d.load("d1", [5, 6], w.p.request_finished("p1", [3, 4]))
+    for _ in range(5):
+        w.now += 1_000
+        w.d.get_finished()
+        w.p.step()  # the consumer's notice arrives and releases p1 here, not in get_finished
+    assert w.p.held() == {"p1": (3, 4)}
+    other = SimPair()
+    with pytest.raises(InvalidInput, match="block 3 is held for 'p1'"):
+        w.p.load("x1", [3], other.p.request_finished("q1", [7]))
+    assert w.p.get_finished()[0] == {"p1"}
+    assert w.p.held() == {}
+    w.p.load("x1", [3], other.p.request_finished("q2", [7]))  # reported: free again
+
+
+def test_a_finished_load_guards_its_blocks_until_get_finished_reports_it() -> None:
+    """The consumer side of the same rule: a load whose read completed inside a step still owns
+    its blocks until ``get_finished`` reports it (docs/embedding.md: "free again once that
+    request is reported finished"). Hand-offs are made only by get_finished's collect, so this
+    held before the producer side's fix too; it pins the rule for both."""
+    w = SimPair()
+    w.d.load("d1", [5, 6], w.p.request_finished("p1", [3, 4]))
+    for _ in range(4):
+        w.now += 1_000
+        w.d.step()
+        w.p.step()
+    assert "d1" in w.d.core.consumers or w.d.core.pending_hand_offs
+    with pytest.raises(InvalidInput, match="block 5 is still loaded into by 'd1'"):
+        w.d.load("d2", [5], w.p.request_finished("p2", [7]))
+    assert w.d.get_finished()[1] == {"d1"}
+    w.d.load("d2", [5], w.p.request_finished("p3", [7]))
