@@ -355,9 +355,20 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=16)
+def _ids_below(num_blocks: int) -> Any:
+    """The type of a table of ids below ``num_blocks``: msgspec checks the range in its one pass."""
+    return tuple[Annotated[int, msgspec.Meta(ge=0, lt=min(num_blocks, _MAX_BLOCK_ID + 1))], ...]
+
+
 def _check_blocks(field: str, blocks: Sequence[int], num_blocks: int = 0) -> tuple[int, ...]:
     """The ids as a tuple, each an int in range (below ``num_blocks``, this worker's cache size,
     when it is known: an id past it would only fail a read later, or name another's memory)."""
+    if num_blocks and (type(blocks) is tuple or type(blocks) is list):
+        try:  # type and range in one pass, in C; a bad table is named by the checks below
+            return msgspec.convert(blocks, _ids_below(num_blocks))  # type: ignore[no-any-return]
+        except msgspec.ValidationError:
+            pass
     out = _block_ids(field, blocks)
     if num_blocks and out and (top := max(out)) >= num_blocks:
         raise InvalidInput(field, f"block {top} is out of range: this worker's KV cache has {num_blocks} blocks "
@@ -483,9 +494,11 @@ class Connector:
         # to hold their blocks: a load of them that stops past their own lease still owes the
         # producer its notice until then (ReadRequested.promised_ns). The newest tombstones-many.
         self._promised: OrderedDict[_Minting, int] = OrderedDict()
-        # Local blocks a load may still write, until its request is handed back (id -> blocks too):
+        # Local blocks a load may still write, until its request is handed back (and id -> blocks):
         # a block handed to a second load before then could be written by both (SGLang PR 35049).
-        self._writing: dict[int, str] = {}
+        # A set, not block -> id: a load adds and its hand-off removes its blocks in one C call
+        # each; the writer is looked up only to name it in an error.
+        self._writing: set[int] = set()
         self._writes: dict[str, tuple[int, ...]] = {}
         # Local blocks held for remote consumers, until their hold is reported finished sending
         # (id -> blocks). A worker both loads and holds (kv_both): no load may write a held block
@@ -553,9 +566,9 @@ class Connector:
         if not blocks:  # vLLM frees such a request at once; a hold of nothing would be reported as sent
             raise InvalidInput("block_ids", "no blocks to hold: a request with none is freed now, not delayed, "
                                             "and has no params to give")
-        if self._writing and not self._writing.keys().isdisjoint(blocks):  # its consumer would read bytes a
-            block = next(b for b in blocks if b in self._writing)  # read still writes
-            raise InvalidInput("block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
+        if self._writing and not self._writing.isdisjoint(blocks):  # its consumer would read bytes a read
+            block = next(b for b in blocks if b in self._writing)  # still writes
+            raise InvalidInput("block_ids", f"block {block} is still loaded into by {self._writer(block)!r}: "
                                             "hold it once that request is reported finished")
         if not self.host:
             raise InvalidInput("host", "this Connector was built with host='' (consumer-only): params it "
@@ -635,9 +648,9 @@ class Connector:
                                            "that long before the lease, so none of them could be trusted")
         if len(set(local)) != len(local):  # two reads would race to write one block
             raise InvalidInput("local_block_ids", "a block id is repeated")
-        if self._writing and not self._writing.keys().isdisjoint(local):
+        if self._writing and not self._writing.isdisjoint(local):
             block = next(b for b in local if b in self._writing)
-            raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writing[block]!r}: "
+            raise InvalidInput("local_block_ids", f"block {block} is still loaded into by {self._writer(block)!r}: "
                                                   "it is free again once that request is reported finished")
         held = self._held_index() if self._holds else {}
         if held and not held.keys().isdisjoint(local):  # a consumer may be reading it
@@ -922,7 +935,7 @@ class Connector:
                         self._forget(k, e)
                 self._live_swept = len(self._live_loads)
         if ev.local_blocks:
-            self._writing.update(dict.fromkeys(ev.local_blocks, ev.request_id))
+            self._writing.update(ev.local_blocks)
             self._writes[ev.request_id] = ev.local_blocks
         self.core.submit(ev)
 
@@ -932,6 +945,10 @@ class Connector:
         if self._held is not None:
             _index(self._held, ev.request_id, ev.block_ids)
         self.core.submit(ev)
+
+    def _writer(self, block: int) -> str:
+        """The load that may still write ``block`` (one of ``_writing``), for an error's message."""
+        return next(rid for rid, blocks in self._writes.items() if block in blocks)
 
     def _held_index(self) -> dict[int, set[str]]:
         """Block -> the holds of it, built when first asked (a hold submitted here always ends
@@ -1013,8 +1030,7 @@ class Connector:
                 if cmd.expired:
                     expired.add(cmd.request_id)
             elif isinstance(cmd, HandOff):
-                for block in self._writes.pop(cmd.request_id, ()):
-                    del self._writing[block]
+                self._writing.difference_update(self._writes.pop(cmd.request_id, ()))
                 recving.add(cmd.request_id)
                 invalid.update(cmd.invalid_blocks)
                 if cmd.outcome == "failed":

@@ -283,7 +283,7 @@ def test_loads_from_another_thread_while_one_steps_are_refused_between_its_pump_
     gates["progress"][1].set()
     assert runner.wait(BOUND) and runner.out == [None], runner.out
     rig.step(20)
-    leaked = sorted(b for b, rid in rig.d._writing.items() if rid == "dB")
+    leaked = sorted(b for b in rig.d._writes.get("dB", ()) if b in rig.d._writing)
     reads = [r for r in core.log.records() if isinstance(r.event, ReadRequested) and r.event.request_id == "dB"]
     assert isinstance(outcomes[0], OwnerError), (
         f"second load of 'dB' accepted; ReadRequested records for dB: "
