@@ -239,8 +239,10 @@ class FileSink:
             self._seg_size = 0
             self._unsynced: list[Path] = []  # under ``never``: segments created or written since the last sync
             self._open_segment(start)
-        except BaseException:
+        except BaseException as exc:
             os.close(self._lock)
+            if isinstance(exc, OSError):  # a full disk, say: typed like the writer thread's failures
+                raise LogWriteError(f"cannot open the log: {exc}", path=self.directory) from exc
             raise
         self._thread = threading.Thread(target=self._run, name="pdfsm-filelog", daemon=True)
         self._thread.start()
@@ -523,6 +525,7 @@ class FileSink:
                 self._unsynced.append(final)
         except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)  # a header never renamed into place: no stray file left
             raise
         self._fd, self._seg_size = fd, len(header)
         if not self._segments or self._segments[-1] != final:

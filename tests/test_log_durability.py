@@ -213,7 +213,8 @@ def test_enospc_mid_frame_fails_loudly_and_reopen_keeps_every_acked_record(
 
 def test_a_failed_rotation_leaves_a_log_that_reopens_at_its_last_acked_record(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENOSPC while renaming the next segment into place: loud failure, no half segment, nothing acked lost."""
+    """ENOSPC while renaming the next segment into place: loud failure, no half segment (nor its
+    temp file), nothing acked lost."""
     directory = tmp_path / "log"
     acks: list[int] = []
     sink = FileSink(directory, fsync=FsyncPolicy.always(), segment_bytes=4096, on_ack=acks.append)
@@ -232,8 +233,9 @@ def test_a_failed_rotation_leaves_a_log_that_reopens_at_its_last_acked_record(
     with pytest.raises(LogWriteError):
         sink.close()
     assert acks
+    assert not list(directory.glob("*.tmp"))  # the header that was never renamed is gone
     again = FileSink(directory)
-    assert again.recovery.removed_temp and again.recovery.next_seq > acks[-1]
+    assert again.recovery.next_seq > acks[-1]
     again.close()
     got = read_log(directory)
     assert got == _records(0, len(got)) and len(got) > acks[-1]
@@ -740,3 +742,26 @@ def test_shutdown_whose_last_step_cannot_write_the_log_is_closed_all_the_same() 
             call()
     # The report before shutdown is not handed out again as shutdown's: its blocks went back already.
     assert not d.get_block_ids_with_load_errors() and not d.shutdown().failed
+
+
+def test_a_full_disk_at_open_raises_log_write_error_and_leaves_no_stray_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a log on a full disk used to raise a bare OSError and leave the first segment's
+    ``.tmp`` header behind (a helper's hunt with RLIMIT_FSIZE): now LogWriteError naming the
+    directory, the OS error as its cause, no stray file, and the lock let go."""
+    directory = tmp_path / "log"
+
+    def enospc(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", enospc)
+    monkeypatch.setattr(os, "writev", enospc)
+    with pytest.raises(LogWriteError, match="cannot open the log: .*No space left") as caught:
+        FileSink(directory, fsync=FsyncPolicy.always())
+    assert caught.value.path == str(directory) and isinstance(caught.value.__cause__, OSError)
+    assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()
+    sink = FileSink(directory, fsync=FsyncPolicy.always())  # the lock was let go
+    sink.write(_rows(0, 3))
+    sink.close()
+    assert read_log(directory) == _records(0, 3)
