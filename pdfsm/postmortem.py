@@ -358,12 +358,19 @@ class _Reader(LogReader):
 
 def load(name: str, path: Path, *, repair: bool = False, progress: Progress | None = None) -> LoadedLog:
     """Read one log whole. Never raises for a bad log: the problem is in the result's status."""
-    out = LoadedLog(name, printable(str(path)))
-    try:
-        return _load(out, path, repair=repair, progress=progress)
-    except OSError as e:  # unreadable (permissions, a vanished file): a status, like any bad log
-        out.records, out.status, out.error = [], "no_log", f"{path}: cannot read: {e}"
-        return out
+    tries = 3
+    while True:
+        out = LoadedLog(name, printable(str(path)))
+        try:
+            return _load(out, path, repair=repair, progress=progress)
+        except OSError as e:  # unreadable (permissions, a vanished file): a status, like any bad log
+            tries -= 1
+            # A live writer's retention (keep_segments) deleted a segment between listing and
+            # reading it: the log is fine, read it again (a helper's hunt: 2% of such reads).
+            if isinstance(e, FileNotFoundError) and tries and writer_holds(path):
+                continue
+            out.records, out.status, out.error = [], "no_log", f"{path}: cannot read: {e}"
+            return out
 
 
 def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None) -> LoadedLog:
@@ -376,6 +383,9 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         # creation was cut short: it is not a log, not a torn one.
         out.status, out.error = "no_log", f"{path}: not a log segment (an empty file)"
         return out
+    gone = next((f for f in files if not f.exists()), None)
+    if gone is not None:  # deleted since listed (a live writer's retention): load() reads again
+        raise FileNotFoundError(errno.ENOENT, "a segment vanished while the log was read", str(gone))
     if not files or not all(f.is_file() for f in files):
         moved = sorted(c.name for c in path.iterdir() if ".torn." in c.name) if path.is_dir() else []
         aside = f" ({', '.join(moved)} moved aside by --repair)" if moved else ""

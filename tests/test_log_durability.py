@@ -756,7 +756,7 @@ def test_a_full_disk_at_open_raises_log_write_error_and_leaves_no_stray_file(
 
     monkeypatch.setattr(os, "write", enospc)
     monkeypatch.setattr(os, "writev", enospc)
-    with pytest.raises(LogWriteError, match="cannot open the log: .*No space left") as caught:
+    with pytest.raises(LogWriteError, match=r"cannot open the log: .*No space left") as caught:
         FileSink(directory, fsync=FsyncPolicy.always())
     assert caught.value.path == str(directory) and isinstance(caught.value.__cause__, OSError)
     assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
