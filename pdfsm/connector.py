@@ -1044,8 +1044,8 @@ class Connector:
         return sending, recving
 
     def held(self) -> dict[str, tuple[int, ...]]:
-        """This worker's producer holds not released or expired yet: request id -> its blocks
-        (a copy; a hold leaves it as :meth:`get_finished` reports it finished sending). After
+        """This worker's producer holds not yet reported finished sending (released or expired):
+        request id -> its blocks (a copy; a hold leaves it as :meth:`get_finished` reports it). After
         :meth:`shutdown`, the holds it left, whose blocks the scheduler frees itself."""
         return dict(self._holds)
 
