@@ -8,7 +8,9 @@ Two halves, one object:
   is bounded; when it is full the policy is explicit: ``BLOCK`` makes the
   producer wait for the owner, ``COUNT`` refuses the event, counts it by
   source, and the owner records a :class:`~pdfsm.events.Dropped` event so the
-  loss is in the log, never silent. The owner thread's own submissions are
+  loss is in the log, never silent (once the log is closed, events still
+  submitted are only counted, in ``take_dropped``: no record follows the last).
+  The owner thread's own submissions are
   neither refused nor made to wait (it would wait for itself).
 - **Records.** The owner thread records every event it applied, ignored or
   rejected, with the state it produced, in one sequence with no gaps. The last
