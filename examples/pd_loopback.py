@@ -7,11 +7,13 @@ the replay of every worker's event log. Any ``pdfsm demo`` flag works here, for 
 
     python examples/pd_loopback.py --prefill-tp 1 --decode-tp 2 --log-dir logs
     python examples/pd_loopback.py --fault kill-prefill
-    python examples/pd_loopback.py --prefill-pp 2 --no-pp
+    python examples/pd_loopback.py --prefill-pp 2 --no-pp --lease-s 3
 
 It exits 0 when every request ended in a defined state, every byte read was verified and
-nothing leaked. The engine side (what a serving engine embeds) is in pdfsm/engines.py; the
-router and schedulers this process plays are in pdfsm/run.py.
+nothing leaked (with ``--no-pp`` every request fails as a local refusal, and the producer,
+never told, keeps the blocks until ``--lease-s``: docs/transports.md). The engine side (what
+a serving engine embeds) is in pdfsm/engines.py; the router and schedulers this process plays
+are in pdfsm/run.py.
 """
 
 import sys

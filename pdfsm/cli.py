@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("logs", nargs="+", metavar="LOG", type=log_path,
                    help="log directories or segment files, as for replay")
     h.add_argument("-o", "--output", required=True, help="the HTML file to write (- for stdout)")
-    h.add_argument("--rows", type=int, default=200, help="requests drawn in the timeline (200)")
+    h.add_argument("--rows", type=int, default=200, help="machines (requests and engines) drawn in the timeline (200)")
     h.set_defaults(func=_report)
     return parser
 

@@ -71,22 +71,24 @@ _encode = msgspec.json.Encoder().encode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--prefill-tp", type=int, default=2)
-    p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--prefill-pp", type=int, default=1)
+    p.add_argument("--requests", type=int, default=24, help="requests to hand off (24)")
+    p.add_argument("--prefill-tp", type=int, default=2, help="prefill engine TP size (2)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode engine TP size (1)")
+    p.add_argument("--prefill-pp", type=int, default=1, help="prefill engine PP size, one process per stage (1)")
     p.add_argument("--mla", action="store_true", help="replicated latent KV: a consumer rank reads one producer rank")
     p.add_argument("--kv-heads", type=int, default=None,
                    help=f"the model's KV heads (1 to {MAX_DEMO_HEADS}, default {HEADS}); a TP larger than them "
                         "holds copies, read once")
     p.add_argument("--no-pp", action="store_true", help="the decode transport cannot serve pp_rank > 0")
-    p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most")
-    p.add_argument("--in-flight", type=int, default=8)
+    p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most (6)")
+    p.add_argument("--in-flight", type=int, default=8, help="requests the driver keeps in flight at once (8)")
     p.add_argument("--fault", choices=FAULTS, action="append", default=[])
     p.add_argument("--abort", type=int, default=0, help="abort this many requests while their reads run")
-    p.add_argument("--lease-s", type=float, default=20.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--lease-s", type=float, default=20.0,
+                   help="seconds prefill holds a request's blocks unless told sooner (20)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the run's random seed: block counts, KV bytes, which requests abort (0)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="give up on the run after this long (120)")
     p.add_argument("--log-dir", help="each worker's event log goes in a subdirectory here")
     p.add_argument("--kv-device", default="cpu",
                    help="where both engines keep their KV caches: cpu (NIXL DRAM, default) or cuda[:N] (VRAM)")

@@ -49,13 +49,13 @@ LEASE_S = 6.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
     p.add_argument("--rate", type=float, default=40.0, help="requests per second (40)")
-    p.add_argument("--fault-rate", type=float, default=0.05, help="probability a request is hit by a fault")
+    p.add_argument("--fault-rate", type=float, default=0.05, help="probability a request is hit by a fault (0.05)")
     p.add_argument("--restart-s", type=float, default=120.0,
-                   help="mean seconds between prefill kills and restarts while faults are on; 0: never")
-    p.add_argument("--prefill-tp", type=int, default=2)
-    p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--max-blocks", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+                   help="mean seconds between prefill kills and restarts while faults are on; 0: never (120)")
+    p.add_argument("--prefill-tp", type=int, default=2, help="prefill engine TP size (2)")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode engine TP size (1)")
+    p.add_argument("--max-blocks", type=int, default=8, help="blocks per request, at most (8)")
+    p.add_argument("--seed", type=int, default=0, help="the run's random seed (0)")
     p.add_argument("--log-dir", help="each worker's event log goes in a subdirectory here")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 

@@ -170,7 +170,7 @@ def test_a_segment_retention_deletes_mid_read_is_read_again_while_the_writer_liv
         core.apply(Tick(source="t", t_ns=i))
     log.flush()
     assert sink.wait_written(10.0)
-    real = postmortem.segment_paths
+    real = filelog.segment_paths
     deleted: list[Path] = []
 
     def listed_then_deleted(path: Path) -> list[Path]:
