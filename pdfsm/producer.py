@@ -19,10 +19,11 @@ is released only when every engine that notified has notified every part, or
 at its lease; counted together, one engine's part 0 and the other's part 1
 released the blocks while the second engine's rank 0 still read them.
 Notifications that arrive before the scheduler registers the request are
-staged, bounded in number and kept one lease (a notification can only follow
-the start of its lease, so a lease later the request cannot still be coming:
-vLLM PR 43509); so are heartbeats, one lease too (they follow their params'
-minting), whose promise the lease keeps once the hold is registered. Heartbeats extend the
+staged, bounded in number and kept one lease from the first news of the request
+(a notification can only follow the start of its lease, so a lease later the
+request cannot still be coming: vLLM PR 43509; a later notification does not move
+it); so are heartbeats (they follow their params' minting), each moving it to a
+lease from itself, whose promise the lease keeps once the hold is registered. Heartbeats extend the
 lease from the local time of their arrival: every deadline here is on this
 core's clock (vLLM PR 50326).
 """
