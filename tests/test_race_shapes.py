@@ -14,9 +14,15 @@ Two kinds of test live here:
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from pdfsm.events import HandshakeDone, HandshakeFailed
+from pdfsm import consumer as C
+from pdfsm import producer as P
+from pdfsm.core import Core, Tables
+from pdfsm.events import BlocksHeld, HandshakeDone, HandshakeFailed, Heartbeat, Promised
+from pdfsm.fsm import Go, on
 from pdfsm.testing import FAULTS, Scenario, Variant, World, hunt
 from pdfsm.testing.coverage import explore_options
 from pdfsm.testing.explore import replay_choices
@@ -241,6 +247,59 @@ def test_a_pp_stage_restarted_mid_handshake_is_never_told_of_its_predecessors_ho
                             add_peer_async=True, max_steps=40)
         found = hunt(scenario, max_examples=300)
         assert not found.found, found.message
+
+
+
+def _extend_from_old_deadline(m: P.ProducerRequest, ev: Heartbeat, core: Core) -> None:
+    P._move_deadline(m, m.deadline + ev.extend_ns, core)  # the bug: extensions add up
+
+
+def _hold_in_the_wrong_unit(m: P.ProducerRequest, ev: BlocksHeld, core: Core) -> None:
+    P._hold(m, ev, core)
+    P._move_deadline(m, m.t_start + core.lease_ns * 1000, core)  # the bug: a lease 1000 times too long
+
+
+@pytest.mark.parametrize(("bug", "cells", "fault"), [
+    ("heartbeats-add-up", on(P.S.HOLDING, Heartbeat, Go(P.S.HOLDING, _extend_from_old_deadline)), "heartbeat"),
+    ("lease-in-the-wrong-unit", on(P.S.NEW, BlocksHeld, Go(P.S.HOLDING, _hold_in_the_wrong_unit, when=P._on_our_clock),
+                                   *P.TABLE.cells[(P.S.NEW, BlocksHeld)][1:]), "handshake-refuse"),
+])
+def test_a_hold_kept_past_its_lease_and_heartbeats_is_found(bug: str, cells: Any, fault: str) -> None:
+    """A producer that keeps blocks far past every bound (heartbeats adding up from the old
+    deadline; a lease in the wrong unit) passed every invariant: the settled world jumps time past
+    any deadline. A helper's mutants found the gap; holds_end_on_time closes it, and the real
+    machines pass it (the searches above and tests/test_race.py)."""
+    variant = Variant(bug, bug, Tables(producer=P.TABLE.patched(bug, cells)))
+    found = hunt(Scenario(requests=1, faults=frozenset({fault})), variant, max_examples=500)
+    assert found.found and "past the" in found.message and found.steps <= 4, found.message
+
+
+
+def _trust_the_promise(m: C.ConsumerRequest, ev: Promised, core: Core) -> None:
+    """A naive connector: a heartbeat's promise extends how long its reads are trusted."""
+    C._promise(m, ev, core)
+    if m.trust is not None and m.deadline is not None and m.req is not None:
+        m.trust = max(m.trust, ev.promised_ns - core.lease_margin_ns)
+        timeout = m.req.deadline.t_ns if m.req.deadline is not None else m.req.t_ns + core.read_timeout_ns
+        if (later := min(timeout, m.trust)) > m.deadline:
+            core.deadlines.disarm(m.request_id, m.deadline)
+            m.deadline = later
+            core.deadlines.arm(m.request_id, later)
+
+
+def test_a_consumer_that_trusts_a_lost_heartbeat_reads_reused_blocks() -> None:
+    """The world delivered every heartbeat, so a consumer that trusted a heartbeat's promise for
+    its reads passed every search (a helper's mutants). With ``heartbeat-drop`` a heartbeat can be
+    lost while the loads are promised all the same: that consumer reads blocks the producer's
+    expired lease let it reuse; the real machines run clean."""
+    scenario = Scenario(requests=2, faults=frozenset({"heartbeat-drop"}))
+    assert not hunt(scenario, max_examples=500).found
+    cells = {k: v for st in (C.S.HANDSHAKING, C.S.READING)
+             for k, v in on(st, Promised, C.TABLE.cells[(st, Promised)][0], Go(st, _trust_the_promise)).items()}
+    variant = Variant("promise-trusted", "a heartbeat's promise extends the reads' trust",
+                      Tables(consumer=C.TABLE.patched("promise-trusted", cells)))
+    found = hunt(scenario, variant, max_examples=2000)
+    assert found.found and "the bytes are not the request's" in found.message, found.message
 
 
 # --- clean searches: shapes the default scenarios do not cover ------------------------------------

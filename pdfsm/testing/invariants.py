@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdfsm import consumer, engine
+from pdfsm import consumer, engine, producer
 from pdfsm.events import HandshakeFailed
 from pdfsm.fsm import Fault
 from pdfsm.records import Outcome
@@ -91,6 +91,17 @@ def leases_expire_on_time(w: World) -> None:
         start = w.lease_from.get((agent, rid), 0)
         if any(f.expired for f in frees) and w.now - start < w.s.lease_ns:
             w.fail(f"{agent} expired the lease of {rid} after {w.now - start} ns, before its {w.s.lease_ns} ns")
+
+
+def holds_end_on_time(w: World) -> None:
+    """6, the other bound: no hold is kept past its lease from the end of prefill, or a heartbeat's
+    extension from its arrival (a lease in the wrong unit, or heartbeats adding up, would pin
+    blocks for ever; the settled world's end check alone let both through: a helper's mutants)."""
+    for (pp, tp), core in w.producers.items():
+        name = f"P{pp}.{tp}"
+        for rid, m in core.producers.items():
+            if m.state is producer.S.HOLDING and m.deadline > (bound := w.hold_until.get((name, rid), 0)):
+                w.fail(f"{name} holds {rid} until {m.deadline} ns, past the {bound} ns its lease and heartbeats allow")
 
 
 def notifications_name_producer_requests(w: World) -> None:
@@ -295,7 +306,7 @@ def _connected_between(records: list[Record], pp: int, lo: int, hi: int) -> bool
 STEP_INVARIANTS: list[Callable[[World], None]] = [
     reported_at_most_once, no_report_while_reading, failures_carry_their_blocks, notify_only_never_reported,
     received_bytes_are_the_promised_ones, received_requests_read_every_source, producer_frees_once,
-    leases_expire_on_time,
+    leases_expire_on_time, holds_end_on_time,
     notifications_name_producer_requests, no_request_waits_on_an_idle_engine, nothing_overdue,
     transport_only_from_its_owner,
     pp_only_where_supported, no_local_violation,

@@ -98,7 +98,8 @@ FAULTS = frozenset({"read-err", "read-raise", "abort", "disconnect", "evict", "h
                     "handshake-timeout", "peer-refused", "notify-drop", "notify-duplicate", "forge", "heartbeat"})
 # Opt-in faults: not in a Scenario's default ``faults`` (FAULTS), so the default scenarios, the mutant
 # suite and their derandomized searches stay as they were; name them in ``Scenario.faults`` to use them.
-EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart", "late-tick", "second-reader"})
+EXTRA_FAULTS = frozenset({"link-drop", "post-refuse", "rank-restart", "late-tick", "second-reader",
+                          "heartbeat-drop"})
 COMPAT = "race-model-v1"
 # With "rank-restart", wall-clock times are said: params their issue time, ranks their start time.
 # A worker's restart takes RESTART_NS, more than the cores' HOLD_SKEW_NS: any params issued before
@@ -327,6 +328,9 @@ class World:
         self.freed: dict[tuple[str, str], list[FinishedSending]] = {}  # (producer agent, rid)
         self.registered: dict[tuple[str, str], int] = {}  # (producer agent, rid) -> time registered
         self.lease_from: dict[tuple[str, str], int] = {}  # when the lease started, on the worker's clock
+        # (producer core, rid) -> the latest its hold may last, on the cores' clocks: a lease from the
+        # end of prefill, or a heartbeat's extension from its arrival
+        self.hold_until: dict[tuple[str, str], int] = {}
         self.lease_seen: dict[int, int] = {}  # what the decode scheduler knows of each lease's start
         self.delivered: dict[tuple[str, str], set[tuple[int, int]]] = {}  # (producer core, rid) -> parts
         self.ticked: tuple[str, ...] = ()  # the cores the last step ticked (nothing due may stay armed there)
@@ -404,6 +408,9 @@ class World:
             if "heartbeat" in faults and self.heartbeats < 2 and self._promised(i):
                 out.append(Choice(f"scheduler: decode heartbeats {self.prid(i)}",  # and promises the loads
                                   frozenset({f"p:{self.prid(i)}", f"c:{rid}"}), partial(self._heartbeat, i)))
+            if "heartbeat-drop" in faults and self.heartbeats < 2 and self._promised(i):
+                out.append(Choice(f"fault: decode heartbeats {self.prid(i)}, and the heartbeat is lost",
+                                  frozenset({f"c:{rid}"}), partial(self._heartbeat, i, lost=True)))
         if "disconnect" in faults and self.disconnects < 2 and (self.peers or self.disconnected):  # may repeat
             out.append(Choice("fault: the producer disconnects", frozenset({"engine"}), self._disconnect))
         if "evict" in faults and "evict again" not in self.faults_used:  # at most twice per run
@@ -595,6 +602,7 @@ class World:
                                                 here_now_ns=self.now * UNIT_NS)
             ev = self._ev(BlocksHeld, request_id=self.prid(i), block_ids=self._p_blocks(i), deadline=deadline)
             self.lease_from[(agent, self.prid(i))] = self.now  # the lease runs from the end of prefill
+            self._may_hold(f"P{pp}.{tp}", self.prid(i), ev.t_ns + s.lease_ns * UNIT_NS)
             self._push(f"prefill-worker {agent}", ("register", (f"P{pp}.{tp}", agent, i, ev)))
         self.lease_seen[i] = self.finished_at[i] = self.now
         if self.walls:  # the router gets the params of stage 0's rank 0
@@ -627,6 +635,9 @@ class World:
     def _issued(self, i: int) -> int:
         """The params' issued_wall_ns (0: wall clocks not modelled)."""
         return (WALL0 + self.finished_at[i]) * UNIT_NS if self.walls else 0
+
+    def _may_hold(self, core: str, rid: str, until: int) -> None:
+        self.hold_until[(core, rid)] = max(self.hold_until.get((core, rid), 0), until)
 
     def _register(self, source: str, target: str, agent: str, ev: BlocksHeld) -> None:
         self.registered[(agent, ev.request_id)] = self.now
@@ -678,19 +689,23 @@ class World:
         for rank in range(self.s.consumer_tp):
             self.apply(f"D{rank}", self._ev(AbortRequested, request_id=rid))
 
-    def _heartbeat(self, i: int) -> None:
+    def _heartbeat(self, i: int, lost: bool = False) -> None:
         """The decode scheduler heartbeats a queued request. It counts on the extension only if it
         sent it while the lease it knew of had more than the margin to run: a heartbeat that
-        arrives after the lease ended extends nothing."""
+        arrives after the lease ended extends nothing. ``lost``: no producer rank gets it, the
+        loads are promised all the same (the Connector promises as it sends), and the scheduler
+        counts on nothing, as a real one must not."""
         self.heartbeats += 1
         # Counted only where every producer rank holds it already: one staged before its hold
         # registers may be dropped (max_staged), and then nothing extends the lease (found by a
         # helper's long hunts: the world read reused blocks it had wrongly trusted).
         held = all((self.agent("P", pp, tp), self.prid(i)) in self.registered for pp, tp in self.producers)
-        if held and self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
+        if held and not lost and self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
             self.lease_seen[i] = self.now
-        for name in self._names[self.s.consumer_tp:]:
-            self.apply(name, self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS))
+        for name in self._names[self.s.consumer_tp:] if not lost else ():
+            hb = self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS)
+            self._may_hold(name, hb.request_id, hb.t_ns + hb.extend_ns)
+            self.apply(name, hb)
         for rank in range(self.s.consumer_tp):  # every producer rank was told: a loaded request is promised
             if (rank, self.crid(i)) in self.requested:  # as the Connector hands it to a live load
                 self.apply(f"D{rank}", self._ev(Promised, request_id=self.crid(i),
