@@ -29,15 +29,15 @@ The machine is shared and noisy, so the script runs ``--reps`` *rounds*, each of
 every case and every method once, so every case sees the same phases of the noise.
 Within a round the methods run as two back-to-back pairs, (pdfsm, raw) then
 (pdfsm_descs, raw_descs), then the two copies; which method of a pair goes first
-alternates from round to round. Before the pairs, one untimed raw READ of the same
-table: a READ right after a 64 MiB ``copy_`` (the previous case's) ran 3 to 10% slower
-than the same READ after another READ, which made the per-round ratios two clusters
-(whichever method ran first lost) and their median a noisy pick between them; after
-the untimed READ both methods of a pair run after a READ, and the ratio does not
-depend on which went first (measured both ways). Bandwidth is the best of the rounds
-(median alongside). pdfsm against raw NIXL is, per case, the median of the ratios of
-the back-to-back pdfsm and raw runs of each round; the ratio of two best-of figures is
-printed too but is a lottery here.
+alternates from round to round. Before the pairs, one untimed READ of the same table
+(``raw_descs``: neither timed method's own handles or index arrays). A READ right after
+a 64 MiB ``copy_`` (the previous case's) ran 3 to 10% slower than the same READ after
+another READ, which made the per-round ratios two clusters (whichever method ran first
+lost) and their median a noisy pick between them; after the untimed READ both methods
+of a pair run after a READ, and the ratio does not depend on which went first (measured
+both ways). Bandwidth is the best of the rounds (median alongside). pdfsm against raw
+NIXL is, per case, the median of the ratios of the back-to-back pdfsm and raw runs of
+each round; the ratio of two best-of figures is printed too but is a lottery here.
 Bytes are verified once per case before timing.
 
 ``--json`` prints one JSON object: ``pdfsm_vs_raw_nixl`` (worst case),
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(args.reps):
             for case, raw in cases:
                 for table in TABLES:
-                    raw.prepped(table)  # untimed: every timed READ runs after a READ, not a copy_
+                    raw.descs_(table)  # untimed: every timed READ runs after a READ, not a copy_ (neither's)
                     for m in round_order(rep):
                         times[(case.bs, table)][m].append(timed(m, case, raw, table))
         setup = setup_costs(*cases[0])

@@ -358,7 +358,7 @@ def _check_config(cfg: CoreConfig, transport: Transport) -> CoreConfig:
 @functools.lru_cache(maxsize=16)
 def _ids_below(num_blocks: int) -> Any:
     """The type of a table of ids below ``num_blocks``: msgspec checks the range in its one pass."""
-    return tuple[Annotated[int, msgspec.Meta(ge=0, lt=min(num_blocks, _MAX_BLOCK_ID + 1))], ...]
+    return tuple[Annotated[int, msgspec.Meta(ge=0, le=min(num_blocks - 1, _MAX_BLOCK_ID))], ...]
 
 
 def _check_blocks(field: str, blocks: Sequence[int], num_blocks: int = 0) -> tuple[int, ...]:
@@ -828,8 +828,8 @@ class Connector:
             raise InvalidInput("remote_pp_size" if "PP" in str(exc) else "remote_tp_size", str(exc)) from None
 
     def _check_fresh(self, rid: str, target: int) -> None:
-        """One request per id and side: refused while the id is live, queued for the core, or
-        remembered as finished (late news about it is still expected). A producer request that
+        """One request per id and side: refused while the id is live, queued for the core, not
+        reported finished yet, or remembered as finished (late news about it is still expected). A producer request that
         exists only because its notifications came early is waiting for exactly this hold."""
         core = self.core
         live: Any = (core.consumers if target == CONSUMER else core.producers).get(rid)
@@ -839,6 +839,13 @@ class Connector:
         if live is not None or rid in self._queued[target]:
             raise InvalidInput("request_id", f"{rid!r} is already in use on this side "
                                              f"({live.state if live is not None else 'accepted, not stepped yet'})")
+        # Its blocks are still guarded here, by id, until get_finished hands its report out (a
+        # released hold; a load a predecessor left writing): a new request under the id would
+        # take them over, and the report would free the new one's (found by review).
+        if rid in (self._writes if target == CONSUMER else self._holds):
+            raise InvalidInput("request_id", f"{rid!r} is already in use on this side (its "
+                                             f"{'load' if target == CONSUMER else 'hold'} is not reported "
+                                             "finished yet: its blocks are still guarded)")
         if was is not None:  # vLLM keeps an id across preemption: say why, and until when
             raise InvalidInput("request_id", f"{rid!r} finished here ({was}) and is remembered, so that late "
                                              "news of it is told from a new request's; use a new id (an id is "
@@ -948,7 +955,7 @@ class Connector:
 
     def _writer(self, block: int) -> str:
         """The load that may still write ``block`` (one of ``_writing``), for an error's message."""
-        return next(rid for rid, blocks in self._writes.items() if block in blocks)
+        return next((rid for rid, blocks in self._writes.items() if block in blocks), "an earlier load")
 
     def _held_index(self) -> dict[int, set[str]]:
         """Block -> the holds of it, built when first asked (a hold submitted here always ends

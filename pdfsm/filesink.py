@@ -189,7 +189,10 @@ class FileSink:
         # Which pdfsm wrote it: a divergence on replay may be a replayer of another version.
         self.metadata: Final[dict[str, Any]] = {"created_ns": time.time_ns(), "pid": os.getpid(),
                                                 "pdfsm_version": version(), **(metadata or {})}
-        _make_dirs(self.directory)
+        try:
+            _make_dirs(self.directory)
+        except OSError as exc:  # a full disk, say: typed like every other failure to open
+            raise LogWriteError(f"cannot open the log: {exc}", path=self.directory) from exc
         self._lock = lock_writer(self.directory)
         try:  # the lock is let go if recovery or the first segment fails
             if fresh and (old := segment_paths(self.directory)):  # under the lock: no writer adds one meanwhile
@@ -525,7 +528,8 @@ class FileSink:
                 self._unsynced.append(final)
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)  # a header never renamed into place: no stray file left
+            with contextlib.suppress(OSError):  # a header never renamed into place: no stray file left
+                tmp.unlink(missing_ok=True)
             raise
         self._fd, self._seg_size = fd, len(header)
         if not self._segments or self._segments[-1] != final:

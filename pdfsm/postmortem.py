@@ -383,7 +383,7 @@ def _load(out: LoadedLog, path: Path, *, repair: bool, progress: Progress | None
         # creation was cut short: it is not a log, not a torn one.
         out.status, out.error = "no_log", f"{path}: not a log segment (an empty file)"
         return out
-    gone = next((f for f in files if not f.exists()), None)
+    gone = next((f for f in files if not os.path.lexists(f)), None)
     if gone is not None:  # deleted since listed (a live writer's retention): load() reads again
         raise FileNotFoundError(errno.ENOENT, "a segment vanished while the log was read", str(gone))
     if not files or not all(f.is_file() for f in files):

@@ -21,9 +21,10 @@ released the blocks while the second engine's rank 0 still read them.
 Notifications that arrive before the scheduler registers the request are
 staged, bounded in number and kept one lease from the first news of the request
 (a notification can only follow the start of its lease, so a lease later the
-request cannot still be coming: vLLM PR 43509; a later notification does not move
-it); so are heartbeats (they follow their params' minting), each moving it to a
-lease from itself, whose promise the lease keeps once the hold is registered. Heartbeats extend the
+request cannot still be coming: vLLM PR 43509; a later notification of the same
+hold does not move it, one of a later hold under the id does); so are heartbeats
+(they follow their params' minting), each moving it to a lease from itself, whose
+promise the lease keeps once the hold is registered. Heartbeats extend the
 lease from the local time of their arrival: every deadline here is on this
 core's clock (vLLM PR 50326).
 """

@@ -82,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pp", action="store_true", help="the decode transport cannot serve pp_rank > 0")
     p.add_argument("--max-blocks", type=int, default=6, help="blocks per request, at most (6)")
     p.add_argument("--in-flight", type=int, default=8, help="requests the driver keeps in flight at once (8)")
-    p.add_argument("--fault", choices=FAULTS, action="append", default=[])
-    p.add_argument("--abort", type=int, default=0, help="abort this many requests while their reads run")
+    p.add_argument("--fault", choices=FAULTS, action="append", default=[],
+                   help="a failure to inject (repeatable; none by default): see the description above")
+    p.add_argument("--abort", type=int, default=0, help="abort this many requests while their reads run (0)")
     p.add_argument("--lease-s", type=float, default=20.0,
                    help="seconds prefill holds a request's blocks unless told sooner (20)")
     p.add_argument("--seed", type=int, default=0,

@@ -353,3 +353,47 @@ def test_a_finished_load_guards_its_blocks_until_get_finished_reports_it() -> No
         w.d.load("d2", [5], w.p.request_finished("p2", [7]))
     assert w.d.get_finished()[1] == {"d1"}
     w.d.load("d2", [5], w.p.request_finished("p3", [7]))
+
+
+def test_an_id_whose_released_hold_is_not_reported_yet_is_refused_for_a_new_hold() -> None:
+    """With the core's tombstones off, a released hold's id was free again before get_finished
+    reported it: a new hold under it took the id over, and the old report then freed the new
+    hold's blocks for load while a consumer could read them (found by review)."""
+    w = SimPair()
+    w.p = Connector(CoreConfig(engine_id="P", compat_hash="h", tombstones=0), w.prod, SimHandshaker(w.net),
+                    clock=w.clock, port=9)
+    w.d.load("d1", [5, 6], w.p.request_finished("p1", [3, 4]))
+    for _ in range(5):
+        w.now += 1_000
+        w.d.get_finished()
+        w.p.step()
+    assert w.p.core.producers.get("p1") is None  # released and forgotten by the core
+    with pytest.raises(InvalidInput, match="its hold is not reported finished yet"):
+        w.p.request_finished("p1", [10, 11])
+    assert w.p.get_finished()[0] == {"p1"} and w.p.held() == {}
+    w.p.request_finished("p1", [10, 11])  # reported: the id is free
+    assert w.p.held() == {"p1": (10, 11)}
+
+
+def test_a_load_a_predecessor_left_writing_keeps_its_id_and_names_its_blocks() -> None:
+    """A successor (``predecessor=``) whose core never knew a load the old connector left writing
+    accepted a new load under its id, which took over the id's blocks: a later load into the old
+    block raised a bare StopIteration instead of naming the load that may still write it."""
+    w = World()
+    d = w.d[0]
+    w.net.script("d1", 0, 0, ReadScript(polls=10**6))
+    d.load("d1", [10], w.prefill("p1", [3]))
+    w.run(2)
+    w.dt[0].cancel_read = lambda *a: None  # type: ignore[method-assign]  # the read never stops
+
+    def close() -> None:
+        raise RuntimeError("close failed")
+
+    w.dt[0].close = close  # type: ignore[method-assign]
+    d.shutdown()
+    new = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(w.net, "D-again"),
+                    SimHandshaker(w.net), clock=lambda: w.now, wall_clock=lambda: w.now, predecessor=d)
+    with pytest.raises(InvalidInput, match="'d1' is already in use"):
+        new.load("d1", [11], w.prefill("p2", [4]))
+    with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
+        new.load("d3", [10], w.prefill("p3", [5]))
