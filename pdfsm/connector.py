@@ -970,11 +970,12 @@ class Connector:
         blocks = self._holds.pop(rid, ())
         if self._held is None:
             return
-        for block in blocks:
-            holds = self._held[block]
-            holds.discard(rid)
-            if not holds:
-                del self._held[block]
+        for block in blocks:  # a hold may name a block twice (vLLM's null block): gone at the first
+            holds = self._held.get(block)
+            if holds is not None:
+                holds.discard(rid)
+                if not holds:
+                    del self._held[block]
 
     # --- every step -----------------------------------------------------------------------------
 

@@ -397,3 +397,17 @@ def test_a_load_a_predecessor_left_writing_keeps_its_id_and_names_its_blocks() -
         new.load("d1", [11], w.prefill("p2", [4]))
     with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
         new.load("d3", [10], w.prefill("p3", [5]))
+
+
+def test_a_hold_naming_a_block_twice_is_reported_once_on_a_worker_that_loads_too() -> None:
+    """A hold may name a block twice (vLLM's tables repeat the null block:
+    tests/test_address_and_block_checks.py). On a worker that also loads, the block index let go
+    of the block at its first mention and raised KeyError at the second as get_finished handed the
+    report out, losing that step's reports (a helper's hunt over id reuse)."""
+    w = SimPair(p_lease_ns=1_000_000)
+    w.p.request_finished("x", [3, 3])
+    with pytest.raises(InvalidInput, match="block 3 is held for 'x'"):  # builds the block index
+        w.p.load("d", [3], SimPair().p.request_finished("q", [1]))
+    w.now += 2_000_000  # the lease runs out
+    assert w.p.get_finished()[0] == {"x"} and w.p.last.expired == {"x"}
+    assert w.p.held() == {} and not w.p.busy()
