@@ -452,6 +452,12 @@ def test_blocks_a_predecessor_may_still_write_stay_taken() -> None:
                     SimHandshaker(w.net), clock=lambda: w.now, wall_clock=lambda: w.now, predecessor=d)
     with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
         new.load("d2", [10], w.prefill("p2", [4]))
+    # Its id stays taken too: a new load under it took the guarded block over, and a later load
+    # into block 10 raised a bare StopIteration instead of naming 'd1' (found by review).
+    with pytest.raises(InvalidInput, match="'d1' is already in use"):
+        new.load("d1", [11], w.prefill("p3", [5]))
+    with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
+        new.load("d3", [10], w.prefill("p4", [6]))
 
 
 def test_params_forgotten_past_the_exact_marks_are_refused_by_their_issue_slot() -> None:

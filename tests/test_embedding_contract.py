@@ -375,30 +375,6 @@ def test_an_id_whose_released_hold_is_not_reported_yet_is_refused_for_a_new_hold
     assert w.p.held() == {"p1": (10, 11)}
 
 
-def test_a_load_a_predecessor_left_writing_keeps_its_id_and_names_its_blocks() -> None:
-    """A successor (``predecessor=``) whose core never knew a load the old connector left writing
-    accepted a new load under its id, which took over the id's blocks: a later load into the old
-    block raised a bare StopIteration instead of naming the load that may still write it."""
-    w = World()
-    d = w.d[0]
-    w.net.script("d1", 0, 0, ReadScript(polls=10**6))
-    d.load("d1", [10], w.prefill("p1", [3]))
-    w.run(2)
-    w.dt[0].cancel_read = lambda *a: None  # type: ignore[method-assign]  # the read never stops
-
-    def close() -> None:
-        raise RuntimeError("close failed")
-
-    w.dt[0].close = close  # type: ignore[method-assign]
-    d.shutdown()
-    new = Connector(CoreConfig(engine_id="D", compat_hash="h"), SimTransport(w.net, "D-again"),
-                    SimHandshaker(w.net), clock=lambda: w.now, wall_clock=lambda: w.now, predecessor=d)
-    with pytest.raises(InvalidInput, match="'d1' is already in use"):
-        new.load("d1", [11], w.prefill("p2", [4]))
-    with pytest.raises(InvalidInput, match="block 10 is still loaded into by 'd1'"):
-        new.load("d3", [10], w.prefill("p3", [5]))
-
-
 def test_a_hold_naming_a_block_twice_is_reported_once_on_a_worker_that_loads_too() -> None:
     """A hold may name a block twice (vLLM's tables repeat the null block:
     tests/test_address_and_block_checks.py). On a worker that also loads, the block index let go
