@@ -829,8 +829,9 @@ class Connector:
 
     def _check_fresh(self, rid: str, target: int) -> None:
         """One request per id and side: refused while the id is live, queued for the core, not
-        reported finished yet, or remembered as finished (late news about it is still expected). A producer request that
-        exists only because its notifications came early is waiting for exactly this hold."""
+        reported finished yet, or remembered as finished (late news about it is still expected).
+        A producer request that exists only because its notifications came early is waiting for
+        exactly this hold."""
         core = self.core
         live: Any = (core.consumers if target == CONSUMER else core.producers).get(rid)
         if live is not None and target == PRODUCER and live.state is ProducerStates.STAGED:

@@ -189,12 +189,10 @@ class FileSink:
         # Which pdfsm wrote it: a divergence on replay may be a replayer of another version.
         self.metadata: Final[dict[str, Any]] = {"created_ns": time.time_ns(), "pid": os.getpid(),
                                                 "pdfsm_version": version(), **(metadata or {})}
-        try:
-            _make_dirs(self.directory)
-        except OSError as exc:  # a full disk, say: typed like every other failure to open
-            raise LogWriteError(f"cannot open the log: {exc}", path=self.directory) from exc
-        self._lock = lock_writer(self.directory)
+        self._lock = -1
         try:  # the lock is let go if recovery or the first segment fails
+            _make_dirs(self.directory)
+            self._lock = lock_writer(self.directory)
             if fresh and (old := segment_paths(self.directory)):  # under the lock: no writer adds one meanwhile
                 raise LogWriteError(f"already holds a log ({len(old)} segment{'s' * (len(old) > 1)} from seq "
                                     f"{segment_start(old[0].name)}), which a new log cannot continue: remove "
@@ -243,7 +241,8 @@ class FileSink:
             self._unsynced: list[Path] = []  # under ``never``: segments created or written since the last sync
             self._open_segment(start)
         except BaseException as exc:
-            os.close(self._lock)
+            if self._lock >= 0:
+                os.close(self._lock)
             if isinstance(exc, OSError):  # a full disk, say: typed like the writer thread's failures
                 raise LogWriteError(f"cannot open the log: {exc}", path=self.directory) from exc
             raise

@@ -806,10 +806,6 @@ def to_json(logs: Sequence[LoadedLog], summaries: Sequence[Summary], ats: Sequen
             "request": request, "error": None}
 
 
-def _not_found_text(query: str) -> str:
-    return printable(f"request {query!r} is in none of the logs")
-
-
 # --- the command ------------------------------------------------------------------------------------------
 
 
@@ -1068,5 +1064,5 @@ def replay_command(args: argparse.Namespace) -> int:
             print(f"pdfsm replay: {log.name}: {printable(log.error.splitlines()[0])} (exit {int(log.exit_code)})",
                   file=sys.stderr)
     if code == Exit.USAGE:
-        print(f"pdfsm replay: {_not_found_text(args.request)}", file=sys.stderr)
+        print(printable(f"pdfsm replay: request {args.request!r} is in none of the logs"), file=sys.stderr)
     return code

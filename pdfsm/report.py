@@ -109,17 +109,17 @@ def _summary(logs: Sequence[LoadedLog]) -> Iterator[str]:
                f"<td class=\"num\">{len(s.stuck)}</td></tr>")
     yield "</table>"
     for log in logs:
-        # printable(): these name the log's files, whose names need not decode
+        # _e() makes them printable: they name the log's files, whose names need not decode
         if log.error:
-            yield f"<p class=\"bad\">{_e(log.name)}: {_e(printable(log.error.splitlines()[0]))}</p>"
+            yield f"<p class=\"bad\">{_e(log.name)}: {_e(log.error.splitlines()[0])}</p>"
         if log.torn is not None:
             yield (f"<p class=\"warn\">{_e(log.name)}: torn tail at byte {_e(log.torn['offset'])} of "
-                   f"{_e(printable(log.torn['file']))} ({_e(log.torn['reason'])}); the records before it are shown</p>")
+                   f"{_e(log.torn['file'])} ({_e(log.torn['reason'])}); the records before it are shown</p>")
         for g in log.gaps:
             yield (f"<p class=\"warn\">{_e(log.name)}: gap: seqs {g.first_seq}..{g.first_seq + g.count - 1} lost "
                    f"before reaching the file ({_e(g.reason)})</p>")
         if log.replay_note:
-            yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(printable(log.replay_note))}</p>"
+            yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(log.replay_note)}</p>"
         if log.writer_live:
             yield f"<p class=\"warn\">{_e(log.name)}: note: {_e(WRITER_LIVE)}</p>"
 

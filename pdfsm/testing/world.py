@@ -702,8 +702,8 @@ class World:
         held = all((self.agent("P", pp, tp), self.prid(i)) in self.registered for pp, tp in self.producers)
         if held and not lost and self.now + self.s.lease_margin_ns < self.lease_seen[i] + self.s.lease_ns:
             self.lease_seen[i] = self.now
-        for name in self._names[self.s.consumer_tp:] if not lost else ():
-            hb = self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS)
+        hb = self._ev(Heartbeat, request_id=self.prid(i), extend_ns=self.s.lease_ns * UNIT_NS)
+        for name in () if lost else self._names[self.s.consumer_tp:]:
             self._may_hold(name, hb.request_id, hb.t_ns + hb.extend_ns)
             self.apply(name, hb)
         for rank in range(self.s.consumer_tp):  # every producer rank was told: a loaded request is promised
