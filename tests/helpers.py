@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -30,6 +31,15 @@ from pdfsm.log import EventLog, MemorySink
 from transports.sim import SimHandshaker, SimNetwork, SimTransport, pattern
 
 E = TypeVar("E", bound=Event)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(first: Path = ROOT, **extra: str) -> dict[str, str]:
+    """This process's environment for a child Python, ``first`` ahead on its path: prepended to
+    PYTHONPATH, never replacing it (an install with ``pip --target`` is found through it)."""
+    path = os.pathsep.join(p for p in (str(first), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **extra, "PYTHONPATH": path}
 
 
 def make_core(*, strict: bool = True, sink: MemorySink | None = None, **config: Any) -> Core:

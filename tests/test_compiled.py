@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import child_env
 
 import pdfsm
 from pdfsm.topology import Layout, read_plan
@@ -32,11 +33,10 @@ def _hot_modules() -> tuple[str, ...]:
 def _python(code: str, cwd: Path, *, pythonpath: Path | None = None, pure: bool = False) -> str:
     """Run ``code`` in a new interpreter in ``cwd``, outside the checkout (whose ``pdfsm`` would come
     first)."""
-    env = {k: v for k, v in os.environ.items() if k != "PDFSM_PURE_PYTHON"}
+    env = child_env(pythonpath) if pythonpath is not None else dict(os.environ)
+    env.pop("PDFSM_PURE_PYTHON", None)
     if pure:
         env["PDFSM_PURE_PYTHON"] = "1"
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 0, f"exit {out.returncode}: {out.stdout[-2000:]}{out.stderr[-2000:]}"

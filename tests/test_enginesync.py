@@ -17,7 +17,6 @@ machine with a typed EngineIdMismatch; with it, both decode ranks read their blo
 
 from __future__ import annotations
 
-import os
 import struct
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import msgspec
 import numpy as np
 import pytest
 from enginesync_rank import LONGEST, Outcome
+from helpers import child_env
 
 from pdfsm.commands import HandOff
 from pdfsm.connector import Connector, KVTransferParams
@@ -73,8 +73,7 @@ def node_ids() -> tuple[str, str]:
 def ranks(tmp_path_factory: pytest.TempPathFactory, node_ids: tuple[str, str]) -> Reports:
     """Run the four ranks once for the module; every scenario's outcome, by rank."""
     work = tmp_path_factory.mktemp("enginesync")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = child_env()
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")  # loopback only; 2 cores shared by 4 ranks
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(WORLD):
@@ -286,7 +285,7 @@ def test_engine_config_without_sync() -> None:
 
 def test_importing_pdfsm_does_not_import_torch() -> None:
     code = "import sys, pdfsm.enginesync, pdfsm.connector; assert 'torch' not in sys.modules, 'torch imported'"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
 

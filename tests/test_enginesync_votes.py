@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from enginesync_votes_rank import ODD_ID
+from helpers import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 3
@@ -31,8 +31,7 @@ Outcomes = dict[str, dict[str, Any]]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Outcomes]:
     work = tmp_path_factory.mktemp("review_enginesync_more")
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = child_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
     for r in range(SIZE):
         with (work / f"{r}.err").open("wb") as err:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from filelog_writer import row as writer_row
+from helpers import child_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from make_golden import MONO_NS, SALT, WALL_NS, golden_rows
@@ -291,8 +292,7 @@ def test_reader_repair_mode_truncates_and_reports(seg: Seg, tmp_path: Path) -> N
 
 
 def _run_until_killed(directory: Path, seed: int, delay: float) -> tuple[int, list[int], str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = child_env()
     proc = subprocess.Popen([sys.executable, str(TESTS / "filelog_writer.py"), str(directory), str(seed)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     assert proc.stdout is not None and proc.stderr is not None

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import msgspec
 import pytest
 import torch
+from helpers import child_env
 from transport_helpers import PeerProcess, StepRank, run_until, zero_kv
 
 from pdfsm.commands import PostRead
@@ -369,7 +370,7 @@ def foreign(target: NixlTransport, mode: str = "once", seconds: float = 0.0) -> 
     ``target`` never added: it sends notification payloads that are not pdfsm messages."""
     agent = name("foreign")
     meta = decode_rank_metadata(target.rank_info().metadata).agent_metadata
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-c", FOREIGN, agent, target.agent_name, meta.hex(), mode, str(seconds)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env, cwd=ROOT)

@@ -23,7 +23,6 @@ Promises checked:
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import ev, handshake, read, reply, run_cli_captured
+from helpers import child_env, ev, handshake, read, reply, run_cli_captured
 
 from pdfsm.core import Core
 from pdfsm.errors import ProtocolError
@@ -55,7 +54,6 @@ from pdfsm.fsm import Fault
 from pdfsm.log import EventLog, MemorySink, Outcome, Record
 from pdfsm.replay import QuietLogger
 
-PDFSM = Path(sys.executable).with_name("pdfsm")
 rep = msgspec.structs.replace
 
 
@@ -307,8 +305,8 @@ def test_json_is_byte_identical_across_processes_with_different_hash_seeds(tmp_p
     runs = []
     for seed in ("1", "2"):
         for extra in ([], ["--request", "a"], ["--at", "9"]):
-            r = subprocess.run([str(PDFSM), "replay", str(logs), "--json", *extra], capture_output=True,
-                               env={**os.environ, "PYTHONHASHSEED": seed}, check=False, timeout=60)
+            r = subprocess.run([sys.executable, "-m", "pdfsm.cli", "replay", str(logs), "--json", *extra],
+                               capture_output=True, env=child_env(PYTHONHASHSEED=seed), check=False, timeout=60)
             runs.append((tuple(extra), r.returncode, r.stdout))
     half = len(runs) // 2
     assert runs[:half] == runs[half:]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import child_env
 
 from pdfsm.connector import Connector
 from pdfsm.events import Event
@@ -91,7 +92,7 @@ class PeerProcess:
     def __init__(self, agent: str, blocks: int, block_bytes: int, *extra: str, regions: int = 2, seed: int = 1,
                  quiet: bool = False) -> None:
         self.agent = agent
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = child_env()
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "nixl_peer.py"), "--agent", agent, "--blocks", str(blocks),
              "--block-bytes", str(block_bytes), "--regions", str(regions), "--seed", str(seed), *extra],
