@@ -8,7 +8,9 @@ read reported failed, a load that comes after the producer's lease. Every ``--re
 seconds on average (when faults are on) the prefill process is killed (SIGKILL, reads in
 flight) and started again under a new engine id, as a crashed engine comes back.
 
-At the end the run checks: every request reached a terminal state; both block pools are
+A request an engine refuses (its pool full, under a load the options asked for) ends
+``refused``. Options that could only hang or fail the run are refused before any engine starts
+(exit 2). At the end the run checks: every request reached a terminal state; both block pools are
 whole (``leaked_blocks``) and no block was freed while the transport still had a read into it
 (``early_frees``); every received byte was the producer's; every log replays without
 divergence; and every violation in the logs is explained by an injected fault
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -32,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from pdfsm.connector import KVTransferParams
-from pdfsm.engine_messages import Abort, Finish, Load, Prefill, Result, Tamper
+from pdfsm.engine_messages import HEADS, Abort, Finish, Load, Prefill, Result, Tamper
 from pdfsm.fsm import Fault
 from pdfsm.log import Record
 from pdfsm.postmortem import clear_demo_logs, worker_logs
-from pdfsm.run import Engine, _drain, replayed
+from pdfsm.run import Engine, EngineError, UsageError, _check_log_dir, _drain, check_sizes, replayed
+from pdfsm.topology import heads_problem
 
 __all__ = ["KINDS", "SoakResult", "add_arguments", "run", "soak_command"]
 
@@ -44,6 +48,10 @@ KINDS = ("abort-before-load", "abort-now", "abort-reading", "abort-late", "drop-
          "duplicate-notification", "delay-notification", "fail-read", "late-load")
 NOTIFICATION_FAULTS = frozenset({"drop-notification", "duplicate-notification", "delay-notification"})
 LEASE_S = 6.0
+POOL_BLOCKS = 2048  # each soak engine's KV pool (the demo's is smaller: its load is not sustained)
+# An engine's answer to an op that ends it there (engines.py: nothing was held or loaded); any other
+# error result is a problem and the request's own report still follows.
+_REFUSALS = ("out of blocks", "request id already held", "hold refused", "load refused")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +66,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the run's random seed (0)")
     p.add_argument("--log-dir", help="each worker's event log goes in a subdirectory here")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def check_soak_options(args: argparse.Namespace) -> None:
+    """Refuse, naming the option, what could only hang, crash or fail the run before any engine starts."""
+    check_sizes(args, ("prefill_tp", "decode_tp", "max_blocks"))
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        why = heads_problem(tp, HEADS)
+        if why is not None:
+            raise UsageError(f"{flag} {tp}: {why}")
+    if args.max_blocks > POOL_BLOCKS:  # one request could never be prefilled
+        raise UsageError(f"--max-blocks {args.max_blocks}: more than the {POOL_BLOCKS} blocks of each engine's KV pool")
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise UsageError(f"--duration {args.duration}: a number of seconds above 0")
+    if not (math.isfinite(args.rate) and args.rate > 0):  # the arrivals step by 1 / rate
+        raise UsageError(f"--rate {args.rate}: requests per second above 0")
+    if not 0 <= args.fault_rate <= 1:
+        raise UsageError(f"--fault-rate {args.fault_rate}: a probability, 0 to 1")
+    if not (math.isfinite(args.restart_s) and args.restart_s >= 0):
+        raise UsageError(f"--restart-s {args.restart_s}: mean seconds between restarts, 0 (never) or more")
+    if args.log_dir is not None:
+        _check_log_dir(Path(args.log_dir))
 
 
 @dataclass
@@ -155,7 +184,7 @@ class _Soak:
         self.late: list[_Req] = []
 
     def _argv(self, engine_id: str, tp: int) -> list[str]:
-        return ["--engine-id", engine_id, "--tp", str(tp), "--layers", "4", "--num-blocks", "2048",
+        return ["--engine-id", engine_id, "--tp", str(tp), "--layers", "4", "--num-blocks", str(POOL_BLOCKS),
                 "--lease-s", str(LEASE_S), "--lease-margin-s", "0.5", "--read-timeout-s", "3",
                 "--log-dir", str(self.log_dir)]
 
@@ -190,6 +219,10 @@ class _Soak:
                 last_show = now
                 self._progress(now - start)
             if now >= end and not self.reqs:
+                break
+            died = [eng for eng in (self.prefill, self.decode) if not eng.killed and eng.proc.poll() is not None]
+            if died:  # an engine that ended on its own: nothing it had will finish, so stop now
+                out.problems += [eng.exited() for eng in died]
                 break
             if now > end + 3 * LEASE_S + 30:
                 out.problems.append(f"{len(self.reqs)} requests still open {now - end:.0f} s after the last arrival")
@@ -267,7 +300,7 @@ class _Soak:
                 self.out.rss_samples.setdefault(self.engine_id, []).append((time.monotonic(), res.rss))
                 self.out.sizes[self.engine_id] = res.sizes
             elif res.ev == "error":
-                self.out.problems.append(f"prefill: {res.rid}: {res.reason}")
+                self._error("prefill", res)
 
     def _load(self, r: _Req) -> None:
         rid = f"d-{r.i}"
@@ -296,7 +329,17 @@ class _Soak:
                 self.out.rss_samples.setdefault("decode", []).append((time.monotonic(), res.rss))
                 self.out.sizes["decode"] = res.sizes
             elif res.ev == "error":
-                self.out.problems.append(f"decode: {res.rid}: {res.reason}")
+                self._error("decode", res)
+
+    def _error(self, role: str, res: Result) -> None:
+        """A refused op ends its request, ``refused`` (a full pool under overload is not a fault of
+        pdfsm's: the run's own checks still judge the blocks); any other error is a problem."""
+        r = self.reqs.get(int(res.rid[2:])) if res.rid[2:].isdigit() else None
+        if r is not None and res.reason.startswith(_REFUSALS):
+            self._terminal(r, "refused")
+            if res.reason.startswith("out of blocks"):
+                return
+        self.out.problems.append(f"{role}: {res.rid}: {res.reason}")
 
     def _terminal(self, r: _Req, outcome: str) -> None:
         del self.reqs[r.i]
@@ -391,8 +434,13 @@ def run(args: argparse.Namespace, *, show: bool = True) -> SoakResult:
 
 
 def soak_command(args: argparse.Namespace) -> int:
-    """``pdfsm soak``: exit 0 when every check held."""
-    out = run(args, show=not args.json)
+    """``pdfsm soak``: exit 0 when every check held, 1 when one did not, 2 for options it cannot run."""
+    try:
+        check_soak_options(args)
+        out = run(args, show=not args.json)
+    except (EngineError, UsageError) as e:
+        print(f"pdfsm soak: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(out.as_json()))
     else:
