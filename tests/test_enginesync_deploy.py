@@ -121,9 +121,9 @@ if kind == "a":  # one engine, TP 2 x PP 2, over two nodes of two ranks
         return [cfg.engine_id, cfg.tp_size, cfg.compat_hash]
 
     attempt("fields_differ", fields_differ)
-    # Last: it breaks the short group if one rank fails alone. cuda:4096 stands for a node whose GPU
-    # is missing, on any machine ("cuda" alone is a good device where there is one: gloo takes it).
-    attempt("bad_device_on_rank1", lambda: sync_engine_id(own, short, device="cuda:4096" if rank == 1 else None))
+    # Last: it breaks the short group if one rank fails alone. "cuda" on a machine without CUDA
+    # stands for a node whose GPU is missing (where there is one, gloo takes a CUDA tensor).
+    attempt("bad_device_on_rank1", lambda: sync_engine_id(own, short, device="cuda" if rank == 1 else None))
     if rank == 1:
         time.sleep(SHORT.total_seconds() + 1)  # a worker that caught its error and lives on
 elif kind == "b":  # 3 ranks: odd size, a hang, then a crash inside the sync
@@ -195,6 +195,15 @@ def outcome(worlds: dict[str, list[Outcomes]], kind: str, rank: int, scenario: s
     ranks = worlds[kind]
     assert scenario in ranks[rank], f"{kind}{rank} never reported {scenario}: {ranks[rank]['_stderr']['tail']}"
     return ranks[rank][scenario]
+
+
+def _needs_no_cuda(premise: str) -> None:
+    """Skip where torch sees CUDA: the scenario's premise holds only on a machine without it (a lent
+    H200 ran the suite: "cuda" was a good device there, and world C's ranks met NCCL on one GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip(f"premise: a machine without CUDA ({premise})")
 
 
 def adopted(worlds: dict[str, list[Outcomes]], kind: str, scenario: str, ranks: range | None = None) -> list[Any]:
@@ -279,6 +288,7 @@ def test_a_bad_device_on_one_rank_is_refused_on_every_rank_before_the_timeout(
     worlds: dict[str, list[Outcomes]],
 ) -> None:
     """Docs: only not-initialized/non-member raise alone; a bad device must not strand the others."""
+    _needs_no_cuda("'cuda' is a device the node lacks")
     for r in range(4):
         o = outcome(worlds, "a", r, "bad_device_on_rank1")
         assert o["error"], o
@@ -329,10 +339,7 @@ def test_a_source_crashing_inside_the_sync_fails_every_survivor_promptly(worlds:
 @pytest.mark.slow
 def test_a_peer_dead_before_the_sync_fails_the_survivor_promptly(worlds: dict[str, list[Outcomes]]) -> None:
     """A 2-rank sync on the default (no NCCL) backend works; then rank 1 exits and rank 0's next sync raises fast."""
-    import torch
-
-    if torch.cuda.is_available():  # the default backend includes NCCL there, which wants a GPU per rank
-        pytest.skip("premise: a machine without CUDA (world C's two ranks would share one GPU under NCCL)")
+    _needs_no_cuda("world C's default backend has no NCCL, which would want a GPU per rank")
     assert adopted(worlds, "c", "pair") == [["undefined", own("c", 1)]] * 2  # NCCL-less default backend
     o = outcome(worlds, "c", 0, "peer_died_before")
     assert o["error"] == "EngineSyncError" and not o["id"] and o["seconds"] < 10, o
