@@ -420,6 +420,9 @@ class _Soak:
 
 
 def run(args: argparse.Namespace, *, show: bool = True) -> SoakResult:
+    """The soak; raises UsageError for options it cannot run (before any engine starts) and
+    EngineError when the decode engine does not come up."""
+    check_soak_options(args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdfsm-soak-"))
     refused = clear_demo_logs(log_dir)
     if refused:
@@ -436,7 +439,6 @@ def run(args: argparse.Namespace, *, show: bool = True) -> SoakResult:
 def soak_command(args: argparse.Namespace) -> int:
     """``pdfsm soak``: exit 0 when every check held, 1 when one did not, 2 for options it cannot run."""
     try:
-        check_soak_options(args)
         out = run(args, show=not args.json)
     except (EngineError, UsageError) as e:
         print(f"pdfsm soak: {e}", file=sys.stderr)
