@@ -581,15 +581,13 @@ def _notify_unread(m: ConsumerRequest, core: Core, t_ns: int, *, connected_only:
         # Owed to the stage's own handshake, or to the minting stage's while its verdict is pending
         # (send_owed judges it then).
         e = core.engines.get((eid, pp if minting is None else minting))
-        handshaking = e is not None and (e.state is HANDSHAKING or e.state is CONNECTING)
-        trust = None if m.trust is None or not _may_owe(req) else notify_until(req, m.trust, core, m.promised)
-        if handshaking:
+        if e is not None and (e.state is HANDSHAKING or e.state is CONNECTING):
             # Owed once it connects (send_owed): a request aborted or timed out while the handshake
             # ran would otherwise pin the producer's blocks a whole lease (vLLM PR 41269); so would
             # one whose stage lost a rank and is handshaken again for a newer request before this
             # one's last read stopped (the old peer is dropped then: found by a helper's hunt).
-            if trust is not None:
-                _owe(e, req, trust, cmd, core)
+            if m.trust is not None and _may_owe(req):
+                _owe(e, req, notify_until(req, m.trust, core, m.promised), cmd, core)
         elif minting is None and not connected_only:
             core.emit(cmd)  # a stage lost and not handshaken again: the transport says why it cannot go
         # Otherwise told nothing, the hold ending at its lease: a minting stage not handshaking gives

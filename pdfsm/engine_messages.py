@@ -94,6 +94,8 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
     expired: bool = False
     verified: bool = False
     reason: str = ""
+    # error: the op ended there, nothing held or loaded: "pool" (too few free blocks), "op" (refused)
+    refused: Literal["", "pool", "op"] = ""
     free: int = 0
     total: int = 0
     in_flight: int = 0

@@ -241,10 +241,10 @@ class Engine:
 
     def prefill(self, op: Prefill) -> None:
         if len(self.free) < op.blocks:
-            emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
+            emit(Result(ev="error", rid=op.rid, refused="pool", reason=f"out of blocks: {len(self.free)} free"))
             return
         if op.rid in self.held:  # the connector would refuse it too, after the bytes were written
-            emit(Result(ev="error", rid=op.rid, reason="request id already held"))
+            emit(Result(ev="error", rid=op.rid, refused="op", reason="request id already held"))
             return
         blocks = [self.free.pop() for _ in range(op.blocks)]
         a = self.args
@@ -282,17 +282,17 @@ class Engine:
                 if i:
                     raise
                 self.free.extend(blocks)
-                emit(Result(ev="error", rid=rid, reason=f"{what} refused: {exc}"))
+                emit(Result(ev="error", rid=rid, refused="op", reason=f"{what} refused: {exc}"))
                 return False
         return True
 
     def load(self, op: Load) -> None:
         if op.rid in self.held:  # one entry per rid: a second would take over the first's books
-            emit(Result(ev="error", rid=op.rid, reason="request id already held"))
+            emit(Result(ev="error", rid=op.rid, refused="op", reason="request id already held"))
             return
         n = len(op.params.remote_block_ids)  # none: the connector refuses the params
         if len(self.free) < n:
-            emit(Result(ev="error", rid=op.rid, reason=f"out of blocks: {len(self.free)} free"))
+            emit(Result(ev="error", rid=op.rid, refused="pool", reason=f"out of blocks: {len(self.free)} free"))
             return
         blocks = [self.free.pop() for _ in range(n)]
         lease_start = time.monotonic_ns() - int(op.age_s * 1e9)

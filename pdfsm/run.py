@@ -242,6 +242,10 @@ class Engine:
         why = f"exited with code {code}" if code is not None else f"did not report {ev!r} in {timeout:.0f} s"
         raise EngineError(f"the {self.role} engine {why}:\n{tail}")
 
+    def ended_by_itself(self) -> bool:
+        """The process exited, and not because the run killed it."""
+        return not self.killed and self.proc.poll() is not None
+
     def kill(self) -> None:
         self.dead = self.killed = True
         self.proc.send_signal(signal.SIGKILL)
@@ -448,7 +452,7 @@ def _drive_requests(args: argparse.Namespace, prefill: Engine, decode: Engine, o
         if prefill.dead and done >= started:
             break
         for eng in (prefill, decode):  # an engine that ended on its own: stop now, not at the timeout
-            if not eng.killed and eng.proc.poll() is not None:
+            if eng.ended_by_itself():
                 eng.dead = eng.ended_early = True
                 out.problems.append(eng.exited())
                 out.requests = done

@@ -49,9 +49,6 @@ KINDS = ("abort-before-load", "abort-now", "abort-reading", "abort-late", "drop-
 NOTIFICATION_FAULTS = frozenset({"drop-notification", "duplicate-notification", "delay-notification"})
 LEASE_S = 6.0
 POOL_BLOCKS = 2048  # each soak engine's KV pool (the demo's is smaller: its load is not sustained)
-# An engine's answer to an op that ends it there (engines.py: nothing was held or loaded); any other
-# error result is a problem and the request's own report still follows.
-_REFUSALS = ("out of blocks", "request id already held", "hold refused", "load refused")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -220,7 +217,7 @@ class _Soak:
                 self._progress(now - start)
             if now >= end and not self.reqs:
                 break
-            died = [eng for eng in (self.prefill, self.decode) if not eng.killed and eng.proc.poll() is not None]
+            died = [eng for eng in (self.prefill, self.decode) if eng.ended_by_itself()]
             if died:  # an engine that ended on its own: nothing it had will finish, so stop now
                 out.problems += [eng.exited() for eng in died]
                 break
@@ -334,12 +331,11 @@ class _Soak:
     def _error(self, role: str, res: Result) -> None:
         """A refused op ends its request, ``refused`` (a full pool under overload is not a fault of
         pdfsm's: the run's own checks still judge the blocks); any other error is a problem."""
-        r = self.reqs.get(int(res.rid[2:])) if res.rid[2:].isdigit() else None
-        if r is not None and res.reason.startswith(_REFUSALS):
+        r = self.reqs.get(int(res.rid[2:])) if res.refused and res.rid[2:].isdigit() else None
+        if r is not None:
             self._terminal(r, "refused")
-            if res.reason.startswith("out of blocks"):
-                return
-        self.out.problems.append(f"{role}: {res.rid}: {res.reason}")
+        if res.refused != "pool":
+            self.out.problems.append(f"{role}: {res.rid}: {res.reason}")
 
     def _terminal(self, r: _Req, outcome: str) -> None:
         del self.reqs[r.i]

@@ -36,7 +36,7 @@ from pdfsm.postmortem import (
     warn_unreadable,
     write_output,
 )
-from pdfsm.replay import event_detail, machine_key, printable, visits
+from pdfsm.replay import machine_key, printable, visits
 
 __all__ = ["SCHEMA", "chrome_trace", "trace_command"]
 
@@ -78,10 +78,7 @@ def _process(pid: int, name: str, records: Sequence[Record], *, events: bool) ->
         if events:
             tid = thread(sources, src, src, 0)
             body.append({"ph": "i", "s": "t", "name": type(rec.event).__name__, "cat": "event",
-                         "ts": _us(rec.event.t_ns), "pid": pid, "tid": tid,
-                         "args": {"seq": rec.seq, "machine": rec.machine, "key": key_json(machine_key(rec)),
-                                  "before": rec.before, "state": rec.state, "outcome": rec.outcome.name.lower(),
-                                  "reason": rec.reason, "detail": event_detail(rec.event)}})
+                         "ts": _us(rec.event.t_ns), "pid": pid, "tid": tid, "args": record_json(rec)})
     end = max((r.event.t_ns for r in records), default=0)
     for v in visits(records):
         tid = thread(machines, (v.machine, v.key), f"{v.machine} {_name(v.key)}", _MACHINE_TIDS)
