@@ -73,6 +73,9 @@ class _SilentEngine:
     def send(self, op: Any) -> None:
         pass
 
+    def ended_by_itself(self) -> bool:
+        return False
+
 
 def test_progress_line_is_ended_when_the_run_stops_early(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """On a terminal the progress line is rewritten in place (``\\r``, no newline) and ended with a
